@@ -1,0 +1,104 @@
+"""Where the lab runs: a CUDA GPU, or the CPU through Triton's interpreter.
+
+Triton reads ``TRITON_INTERPRET`` once, when it is first imported, so the choice has to
+be made before anything imports triton. ``import dsv4lab`` calls :func:`configure`
+first thing; notebooks also set the variable in their parameters cell.
+
+Explained in notebooks/00_tour.ipynb.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+_CONFIGURED = False
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def configure() -> None:
+    """Turn on Triton's interpreter when there is no GPU (before triton is imported)."""
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    _CONFIGURED = True
+    if not has_cuda() and "TRITON_INTERPRET" not in os.environ:
+        if "triton" in sys.modules:
+            raise RuntimeError(
+                "triton was imported before dsv4lab on a machine without a GPU: "
+                "set TRITON_INTERPRET=1 before importing triton (or import dsv4lab first)"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels run in the numpy interpreter (no GPU, or forced)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device() -> torch.device:
+    """The device the lab computes on: the current CUDA GPU, else the CPU."""
+    return torch.device("cuda") if has_cuda() else torch.device("cpu")
+
+
+def capability() -> tuple[int, int] | None:
+    """CUDA compute capability of the current GPU, e.g. (9, 0); None on the CPU."""
+    return torch.cuda.get_device_capability() if has_cuda() else None
+
+
+def device_name() -> str:
+    """'NVIDIA H200' and the like; 'cpu (Triton interpreter)' without a GPU."""
+    if has_cuda():
+        return torch.cuda.get_device_name()
+    return "cpu (Triton interpreter)" if is_interpreter() else "cpu"
+
+
+def capability_str(cap: tuple[int, int] | None = None) -> str:
+    cap = capability() if cap is None else cap
+    return "cpu" if cap is None else f"sm_{cap[0]}{cap[1]}"
+
+
+class CapabilityError(RuntimeError):
+    """The current device cannot run what was asked for."""
+
+
+def require_capability(minimum: tuple[int, int], *, what: str = "this code",
+                       maximum: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Return the GPU's capability, or raise naming the GPU that ``what`` needs.
+
+    ``require_capability((10, 0), maximum=(10, 3), what="trtllm fp4 MoE")`` fails on an
+    H200 with "trtllm fp4 MoE needs sm_100..sm_103 (a B200/GB200-class GPU); this is
+    NVIDIA H200 (sm_90)".
+    """
+    cap = capability()
+    need = capability_str(minimum) + (f"..{capability_str(maximum)}" if maximum else "+")
+    if cap is None:
+        raise CapabilityError(f"{what} needs a CUDA GPU with {need}; this machine has no GPU")
+    if cap < minimum or (maximum is not None and cap > maximum):
+        raise CapabilityError(
+            f"{what} needs {need}; this is {device_name()} ({capability_str(cap)})")
+    return cap
+
+
+def versions() -> dict:
+    """Versions and device, as recorded with every result row."""
+    import platform
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except Exception:  # pragma: no cover - triton is a hard dependency
+        triton_version = None
+    return {
+        "gpu": device_name(),
+        "capability": capability_str(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "interpreter": is_interpreter(),
+    }
