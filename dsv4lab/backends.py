@@ -179,3 +179,112 @@ def dispatch_table(op: str, targets: Iterable[Target], *, fmt: str | None = None
             row[b.name] = b.unavailable_reason(t, fmt) or "ok"
         rows.append(row)
     return rows
+
+
+# ---- expert quantisation and MoE backend resolution (main model and MTP draft alike) ----
+# The campaign's bug: the draft (MTP) layer's MXFP4 experts were auto-detected from the
+# checkpoint's metadata, so the code path that honoured --speculative-moe-runner-backend
+# (only taken when the quantisation came from a flag) was skipped, and the MXFP4 method
+# picked flashinfer's SM100-only kernel by itself. Here the format, wherever it comes
+# from, and the backend, whichever flag names it, go through one function each.
+
+EXPERT_FORMATS = ("mxfp4", "nvfp4", "bf16")
+
+
+class QuantConfigError(ValueError):
+    """Checkpoint metadata and a user flag disagree about the expert format (or one is unknown)."""
+
+
+def _normalise_format(value, where: str) -> str | None:
+    if value is None:
+        return None
+    v = str(value).strip().lower()
+    if v in ("", "auto", "none"):
+        return None
+    if v in ("mxfp4", "mx_fp4", "fp4_e2m1_e8m0"):
+        return "mxfp4"
+    if v in ("nvfp4", "modelopt_fp4", "fp4_e2m1_e4m3", "modelopt_nvfp4"):
+        return "nvfp4"
+    if v in ("bf16", "bfloat16", "unquantized"):
+        return "bf16"
+    raise QuantConfigError(f"{where}: unknown expert format {value!r} (expected mxfp4, nvfp4 or bf16)")
+
+
+def format_from_metadata(metadata: dict | None) -> str | None:
+    """The expert format a checkpoint declares: a ``quantization_config``-like dict (or a
+    whole config.json dict holding one); None when it declares nothing."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise QuantConfigError(f"checkpoint metadata must be a dict, got {type(metadata).__name__}")
+    qc = metadata.get("quantization_config", metadata)
+    if not isinstance(qc, dict):
+        raise QuantConfigError("quantization_config must be a dict")
+    for key in ("expert_format", "quant_method", "fmt"):
+        if qc.get(key) is not None:
+            return _normalise_format(qc[key], f"checkpoint quantization_config[{key!r}]")
+    return None
+
+
+def resolve_expert_format(metadata: dict | None = None, flag: str | None = None) -> tuple[str, str]:
+    """``(format, source)`` of the routed experts from checkpoint metadata and/or a flag.
+
+    Both sources go through this one function; when both are given they must agree
+    (:class:`QuantConfigError` otherwise). Neither: bf16 (unquantised experts).
+    """
+    meta = format_from_metadata(metadata)
+    user = _normalise_format(flag, "--quantization flag")
+    if meta and user and meta != user:
+        raise QuantConfigError(
+            f"expert format conflict: the checkpoint's quantization_config says {meta!r} but the "
+            f"flag says {user!r}; drop the flag or use a checkpoint quantised as {user!r}")
+    if meta:
+        return meta, "checkpoint metadata" + (" (flag agrees)" if user else "")
+    if user:
+        return user, "flag"
+    return "bf16", "default (no quantization_config, no flag)"
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """What a MoE layer of a given role will run: format, backend, and where each came from."""
+    role: str
+    fmt: str
+    fmt_source: str
+    backend: Backend
+    backend_source: str
+
+    def describe(self) -> str:
+        return (f"{self.role} MoE: {self.fmt} experts ({self.fmt_source}) -> backend "
+                f"{self.backend.name!r} ({self.backend_source})")
+
+
+def resolve_moe_backend(role: str = "main", *, metadata: dict | None = None,
+                        quantization: str | None = None, moe_runner_backend: str = "auto",
+                        speculative_moe_runner_backend: str | None = None,
+                        target: Target | None = None, op: str = "fused_moe") -> MoEPlan:
+    """Resolve the expert format and the MoE backend for a layer of ``role``.
+
+    ``role``: "main", or "draft"/"mtp" (the speculative draft layer). The draft uses
+    ``speculative_moe_runner_backend`` when given, else ``moe_runner_backend``; the
+    format comes from :func:`resolve_expert_format` in every case, so a format found in
+    metadata never bypasses the backend flags. An explicit backend that cannot run on
+    ``target`` raises :class:`BackendUnavailable` here, at resolution, saying why.
+    Needs the op's backends registered (import ``dsv4lab.ops`` first).
+    """
+    if role not in ("main", "draft", "mtp"):
+        raise ValueError(f"role must be 'main', 'draft' or 'mtp', got {role!r}")
+    fmt, fmt_source = resolve_expert_format(metadata, quantization)
+    if fmt == "bf16":
+        raise BackendUnavailable(
+            f"{op}: the {role} layer's experts are bf16 (unquantised); fused_moe takes mxfp4 or nvfp4")
+    if role != "main" and speculative_moe_runner_backend not in (None, ""):
+        name, source = speculative_moe_runner_backend, "--speculative-moe-runner-backend"
+    else:
+        name = moe_runner_backend or "auto"
+        source = "--moe-runner-backend" if name != "auto" else "auto"
+    try:
+        chosen = resolve(op, name, fmt=fmt, target=target)
+    except BackendUnavailable as e:
+        raise BackendUnavailable(f"{role} layer ({fmt} experts from {fmt_source}), {source}: {e}") from None
+    return MoEPlan(role, fmt, fmt_source, chosen, source)

@@ -1,5 +1,192 @@
-"""PLACEHOLDER: being written."""
-def sparse_mla_decode(*a, **k):
-    raise NotImplementedError("sparse_mla_decode")
+"""Sparse MLA decode: every query head attends to the same few selected latent KV rows.
+
+DeepSeek-V4 decodes with 64 query heads that share one 512-dim latent vector per token
+(448 "nope" + 64 RoPE; the same vector is K, and its first ``d_v`` values are V). Each
+query position attends only to ``topk`` cache slots chosen by the lightning indexer and
+the sliding window:
+
+    out[b,s,h] = sum_j softmax_j(scale * q[b,s,h] . kv[idx[b,s,j]]) * kv[idx[b,s,j]][:d_v]
+
+``indices`` may hold -1 (an empty slot, skipped) and duplicates (each copy counts). An
+attention sink ``attn_sink[h]`` adds ``exp(sink[h])`` to the softmax denominator only.
+``lse`` is the natural log of that denominator; a row with no valid slot gets out = 0
+and lse = -inf (or sink[h]).
+
+Backends (``backend=``): "torch" (the fp32 reference below), "simt" (one program per
+(token, head) on CUDA cores: the campaign's baseline, notebooks/01_simt_baseline.ipynb),
+"mma" (heads stacked on the tensor cores, split-KV, FP8 KV: notebooks/02_mma_attention.ipynb).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv4lab import backends
+from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
+from dsv4lab.quant.kv_fp8 import unpack_kv_fp8
+
+OP = "sparse_mla_decode"
+FP8_DIM = 512
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# ----------------------------------------------------------------------------------------
+# The public op
+# ----------------------------------------------------------------------------------------
+
+def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                      d_v: int = 512, softmax_scale: float | None = None,
+                      attn_sink: torch.Tensor | None = None, backend: str = "auto",
+                      check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA decode attention -> ``(out [B, S_q, H, d_v] in q's dtype, lse [B, S_q, H] fp32)``.
+
+    q [B, S_q, H, D]; kv [N, D], paged [P, page, D] or [P, page, 1, D] (flat slot =
+    page * page_size + offset) in q's dtype, or the FP8 cache uint8 [N, 584] (or paged,
+    D = 512, see :func:`dsv4lab.quant.pack_kv_fp8`); indices int32 [B, S_q, topk] with
+    -1 for empty slots. ``check_indices`` verifies on the device that every index is -1
+    or in [0, N) (one host sync); it is skipped automatically while a CUDA graph is
+    being captured, and can be turned off with ``check_indices=False``.
+
+    Explained in notebooks/01_simt_baseline.ipynb and notebooks/02_mma_attention.ipynb.
+    """
+    kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink,
+                                       check_indices)
+    impl = backends.resolve(OP, backend, fmt="fp8" if fp8 else "dense", device=q.device)
+    if impl.kind == "triton":
+        if not kv.is_contiguous():
+            raise ValueError("kv must be contiguous for the Triton backends (a cache allocated "
+                             f"as one tensor is); got strides {tuple(kv.stride())}")
+        q = q.contiguous()
+        indices = indices.contiguous()
+    return impl.fn(q, kv_flat, indices, d_v=d_v, scale=scale, sink=sink, fp8=fp8)
+
+
+def _check(q, kv, indices, d_v, softmax_scale, attn_sink, check_indices):
+    """All input checks, before any kernel; returns (kv as [N, row], fp8, scale, sink)."""
+    for name, t in (("q", q), ("kv", kv), ("indices", indices)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, S_q, H, D], got {tuple(q.shape)}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    B, S_q, H, D = q.shape
+    if min(B, S_q, H, D) < 1:
+        raise ValueError(f"q must have non-empty dimensions [B, S_q, H, D], got {tuple(q.shape)}")
+    fp8 = kv.dtype == torch.uint8
+    row = FP8_ROW_BYTES if fp8 else D
+    if kv.dtype != q.dtype and not fp8:
+        raise ValueError(f"kv must have q's dtype ({q.dtype}) or be the uint8 FP8 cache "
+                         f"[N, {FP8_ROW_BYTES}], got {kv.dtype}")
+    if fp8 and D != FP8_DIM:
+        raise ValueError(f"the FP8 KV cache holds {FP8_DIM}-dim rows, so q's last dim D must be "
+                         f"{FP8_DIM}; got q {tuple(q.shape)}")
+    shape_ok = (kv.dim() == 2 or kv.dim() == 3 or (kv.dim() == 4 and kv.shape[2] == 1)) \
+        and kv.shape[-1] == row
+    if not shape_ok:
+        want = f"[N, {row}], [P, page, {row}] or [P, page, 1, {row}]"
+        raise ValueError(f"kv must have shape {want}"
+                         + (" (FP8 layout)" if fp8 else f" (D = {D} from q)")
+                         + f", got {tuple(kv.shape)}")
+    kv_flat = kv.reshape(-1, row)
+    N = kv_flat.shape[0]
+    if N < 1:
+        raise ValueError(f"kv must hold at least one row, got {tuple(kv.shape)}")
+    if indices.dtype != torch.int32:
+        raise ValueError(f"indices must be int32, got {indices.dtype}")
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S_q) or indices.shape[2] < 1:
+        raise ValueError(f"indices must have shape [B, S_q, topk] = [{B}, {S_q}, topk >= 1], "
+                         f"got {tuple(indices.shape)}")
+    for name, t in (("kv", kv), ("indices", indices)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if isinstance(d_v, bool) or not isinstance(d_v, int) or not 1 <= d_v <= D:
+        raise ValueError(f"d_v must be an int in [1, D = {D}], got {d_v!r}")
+    if softmax_scale is None:
+        scale = D ** -0.5
+    else:
+        try:
+            scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}") from None
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    sink = None
+    if attn_sink is not None:
+        if not isinstance(attn_sink, torch.Tensor) or attn_sink.shape != (H,) \
+                or attn_sink.dtype not in _FLOAT_DTYPES:
+            got = (f"{tuple(attn_sink.shape)} {attn_sink.dtype}" if isinstance(attn_sink, torch.Tensor)
+                   else type(attn_sink).__name__)
+            raise ValueError(f"attn_sink must be a float tensor of shape [H] = [{H}], got {got}")
+        if attn_sink.device != q.device:
+            raise ValueError(f"attn_sink must be on q's device ({q.device}), got {attn_sink.device}")
+        sink = attn_sink.float().contiguous()
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_indices and not capturing:
+        bad = (indices < -1) | (indices >= N)
+        if bool(bad.any()):
+            first = indices[bad][0].item()
+            raise ValueError(f"indices must be -1 (empty) or in [0, N = {N}) (N = kv rows"
+                             f"{' = pages * page_size' if kv.dim() > 2 else ''}); found {first}")
+    return kv_flat, fp8, scale, sink
+
+
+# ----------------------------------------------------------------------------------------
+# The fp32 torch reference
+# ----------------------------------------------------------------------------------------
+
+@backends.register(OP, "torch", kind="torch", priority=0, formats=("dense", "fp8"))
+def sparse_mla_decode_torch(q, kv_flat, indices, *, d_v, scale, sink, fp8):
+    """fp32 torch reference: gather, scores, masked softmax with sink, weighted sum."""
+    B, S_q, H, D = q.shape
+    topk = indices.shape[-1]
+    out = torch.empty(B, S_q, H, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q.device)
+    qf = q.reshape(B * S_q, H, D)
+    idx = indices.reshape(B * S_q, topk).long()
+    # chunk the (b, s) rows so the fp32 gather stays under ~256 MB
+    chunk = max(1, (64 << 20) // max(1, topk * D))
+    for a in range(0, B * S_q, chunk):
+        e = min(B * S_q, a + chunk)
+        ix = idx[a:e]
+        valid = ix >= 0
+        rows = kv_flat[ix.clamp(min=0)]                       # [n, topk, row]
+        k = unpack_kv_fp8(rows) if fp8 else rows.float()      # [n, topk, D]
+        s = torch.einsum("nhd,ntd->nht", qf[a:e].float(), k) * scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        m = s.amax(dim=-1)                                    # [n, H]
+        if sink is not None:
+            m = torch.maximum(m, sink[None, :])
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m[..., None])
+        denom = p.sum(-1)
+        if sink is not None:
+            denom = denom + torch.exp(sink[None, :] - m)
+        o = torch.einsum("nht,ntd->nhd", p, k[..., :d_v])
+        has = denom > 0
+        o = o / torch.where(has, denom, torch.ones_like(denom))[..., None]
+        out.view(B * S_q, H, d_v)[a:e] = o.to(q.dtype)
+        lse.view(B * S_q, H)[a:e] = torch.where(has, m + torch.log(denom),
+                                                torch.full_like(denom, float("-inf")))
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------
+# The Triton kernels (kernels/sparse_mla_simt.py, kernels/sparse_mla_mma.py)
+# ----------------------------------------------------------------------------------------
+
+@backends.register(OP, "simt", kind="triton", priority=10, formats=("dense",),
+                   min_capability=(8, 0))
+def sparse_mla_decode_simt(q, kv_flat, indices, *, d_v, scale, sink, fp8):
+    """SIMT baseline: one program per (token, head), CUDA-core dot products."""
+    from dsv4lab.kernels import sparse_mla_simt
+    return sparse_mla_simt.sparse_mla_simt(q, kv_flat, indices, sink, scale, d_v)
+
+
+@backends.register(OP, "mma", kind="triton", priority=20, formats=("dense", "fp8"),
+                   min_capability=(8, 0))
+def sparse_mla_decode_mma(q, kv_flat, indices, *, d_v, scale, sink, fp8):
+    """Tensor-core kernel: heads stacked on tl.dot's M side, split-KV, FP8 KV dequant."""
+    from dsv4lab.kernels import sparse_mla_mma
+    return sparse_mla_mma.sparse_mla_mma(q, kv_flat, indices, sink, scale, d_v, fp8=fp8)

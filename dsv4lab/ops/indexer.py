@@ -1,13 +1,333 @@
-"""PLACEHOLDER: being written."""
-def indexer_logits(*a, **k):
-    raise NotImplementedError("indexer_logits")
+"""The DSA lightning indexer: score every visible compressed entry, keep the top-k.
+
+For one decode query (row ``b, s``) and each visible key entry ``j`` of its request::
+
+    logit[b, s, j] = k_scale[j] * sum_h weights[b, s, h] * ReLU(q[b, s, h] . k[j])
+
+with 64 indexer heads of 128 dims, keys stored paged as FP8 e4m3 (one fp32 scale per
+key) or bf16. ``indexer_topk`` keeps the ``topk`` (512) best logical positions; the
+sparse-MLA decode then attends to only those. Positions ``j >= context_lens[b, s]`` are
+invisible (logit -inf, never selected; -1 pads the result when fewer than ``topk`` are
+visible).
+
+Three backends, which are the story of notebooks/03_indexer_capping.ipynb:
+
+- ``"torch_fallback"``: scores all ``L = max_context`` positions and runs ``torch.topk``
+  over that width, as the campaign's fallback did. Kept on purpose: it is the
+  bottleneck (O(max_context) per step whatever the request length).
+- ``"torch_capped"``: the same fp32 math, but only up to the batch's longest visible
+  length (one host read of ``context_lens``: not capture-safe).
+- ``"triton"``: the paged kernels in :mod:`dsv4lab.kernels.indexer`; they read
+  ``context_lens`` on the device, stop at each row's last visible page, use a fixed grid
+  and never synchronise with the host, so one CUDA graph serves every context length.
+  Cost O(actual context), not O(max_context).
+
+Explained in notebooks/03_indexer_capping.ipynb.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4lab import backends
+
+FP8 = torch.float8_e4m3fn
+Q_DTYPES = (FP8, torch.bfloat16, torch.float32)
+K_DTYPES = (FP8, torch.bfloat16, torch.float32)
 
 
-def indexer_topk(*a, **k):
-    raise NotImplementedError("indexer_topk")
+def _dtype_names(dts) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dts)
 
 
-def to_cache_slots(*a, **k):
-    raise NotImplementedError("to_cache_slots")
+# --------------------------------------------------------------------------- checks
+
+def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context,
+                  topk=None) -> int:
+    """Shape/dtype/device checks (and value checks unless a CUDA graph is capturing).
+
+    Returns L, the logical width of the logits. Raises ValueError naming the argument.
+    """
+    def t(name, x):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+    for name, x in (("q", q), ("k_cache", k_cache), ("k_scale", k_scale),
+                    ("weights", weights), ("block_table", block_table),
+                    ("context_lens", context_lens)):
+        t(name, x)
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, S_q, Hi, Di], got shape {tuple(q.shape)}")
+    if q.dtype not in Q_DTYPES:
+        raise ValueError(f"q must be one of {_dtype_names(Q_DTYPES)}, got {q.dtype}")
+    B, S, H, D = q.shape
+    if B == 0 or S == 0 or H == 0 or D == 0:
+        raise ValueError(f"q must have non-empty dimensions, got shape {tuple(q.shape)}")
+    if k_cache.dim() != 3:
+        raise ValueError(f"k_cache must be [P, page, Di], got shape {tuple(k_cache.shape)}")
+    if k_cache.dtype not in K_DTYPES:
+        raise ValueError(f"k_cache must be one of {_dtype_names(K_DTYPES)}, got {k_cache.dtype}")
+    P, page, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache's last dimension must equal q's head dim {D}, got {Dk}")
+    if P == 0 or page == 0:
+        raise ValueError(f"k_cache must hold at least one page of at least one entry, "
+                         f"got shape {tuple(k_cache.shape)}")
+    if tuple(k_scale.shape) != (P, page):
+        raise ValueError(f"k_scale must be [P, page] = {(P, page)} (one scale per key), "
+                         f"got shape {tuple(k_scale.shape)}")
+    if k_scale.dtype != torch.float32:
+        raise ValueError(f"k_scale must be float32, got {k_scale.dtype}")
+    if tuple(weights.shape) != (B, S, H):
+        raise ValueError(f"weights must be [B, S_q, Hi] = {(B, S, H)}, got shape {tuple(weights.shape)}")
+    if weights.dtype != torch.float32:
+        raise ValueError(f"weights must be float32, got {weights.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be [B, max_pages] with B = {B} and max_pages >= 1, "
+                         f"got shape {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if tuple(context_lens.shape) != (B, S):
+        raise ValueError(f"context_lens must be [B, S_q] = {(B, S)}, got shape {tuple(context_lens.shape)}")
+    if context_lens.dtype != torch.int32:
+        raise ValueError(f"context_lens must be int32, got {context_lens.dtype}")
+    devs = {x.device for x in (q, k_cache, k_scale, weights, block_table, context_lens)}
+    if len(devs) != 1:
+        raise ValueError(f"q, k_cache, k_scale, weights, block_table and context_lens must be on "
+                         f"one device, got {sorted(str(d) for d in devs)}")
+    max_pages = block_table.shape[1]
+    if max_context is None:
+        L = max_pages * page
+    else:
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context <= 0:
+            raise ValueError(f"max_context must be a positive int (entries) or None, got {max_context!r}")
+        if max_context > max_pages * page:
+            raise ValueError(f"max_context ({max_context}) exceeds what block_table can address "
+                             f"(max_pages * page = {max_pages} * {page} = {max_pages * page})")
+        L = max_context
+    if topk is not None:
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
+            raise ValueError(f"topk must be a positive int, got {topk!r}")
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _check_values(block_table, context_lens, P, page, L)
+    return L
 
 
+def _check_values(block_table, context_lens, P, page, L):
+    """One device->host read: context_lens in [0, L]; visible pages' ids in [0, P)."""
+    ctx = context_lens.to(torch.int64)
+    ctx_bad = ((ctx < 0) | (ctx > L)).any()
+    need = (ctx.max(dim=1).values.clamp(min=0) + page - 1) // page            # [B]
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None]
+    bt_bad = (used & ((block_table < 0) | (block_table >= P))).any()
+    flags = torch.stack([ctx_bad, bt_bad]).tolist()
+    if flags[0]:
+        raise ValueError(f"context_lens must lie in [0, L = {L}] (visible entries per query), "
+                         f"got min {int(ctx.min())}, max {int(ctx.max())}")
+    if flags[1]:
+        raise ValueError(f"block_table entries of visible pages must be page ids in [0, {P}) "
+                         f"(P = k_cache.shape[0])")
+
+
+# ------------------------------------------------------------------- fp32 reference
+
+def reference_logits(q, k_cache, k_scale, weights, block_table, context_lens, width: int):
+    """fp32 logits over logical positions [0, width): [B, S_q, width], -inf where invisible.
+
+    The math of the indexer, gathered through the block table; every dtype is upcast to
+    fp32 first (e4m3 and bf16 convert exactly), so this is the reference the kernels are
+    checked against.
+    """
+    B, S, H, D = q.shape
+    P, page, _ = k_cache.shape
+    dev = q.device
+    pos = torch.arange(width, device=dev)
+    pidx = (pos // page).clamp(max=block_table.shape[1] - 1)
+    phys = block_table.long()[:, pidx].clamp(0, P - 1)                    # [B, width]
+    slot = phys * page + (pos % page)[None, :]
+    flat = k_cache.reshape(P * page, D)
+    if flat.dtype == FP8:                         # gather the bytes (any device), then upcast
+        k = flat.view(torch.uint8)[slot].view(FP8).float()                # [B, width, D]
+    else:
+        k = flat[slot].float()
+    sc = k_scale.reshape(P * page)[slot]                                  # [B, width]
+    qf = q.float().reshape(B, S * H, D)
+    s = torch.bmm(qf, k.transpose(1, 2)).reshape(B, S, H, width)          # [B, S, H, width]
+    logits = (s.relu_() * weights[..., None]).sum(dim=2) * sc[:, None, :]
+    visible = pos[None, None, :] < context_lens[..., None].long()
+    return logits.masked_fill_(~visible, float("-inf"))
+
+
+def _topk_from_logits(logits, topk: int):
+    """Top-k logical positions of fp32 logits [B, S, W] (-inf = invisible), -1 padded."""
+    B, S, W = logits.shape
+    k = min(topk, W)
+    out = torch.full((B, S, topk), -1, dtype=torch.int32, device=logits.device)
+    if k > 0:
+        vals, idx = torch.topk(logits, k, dim=-1)
+        out[..., :k] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
+    return out
+
+
+def _pad_logits(logits, L: int):
+    B, S, W = logits.shape
+    if W == L:
+        return logits
+    out = torch.full((B, S, L), float("-inf"), dtype=torch.float32, device=logits.device)
+    out[..., :W] = logits
+    return out
+
+
+def _capped_width(context_lens, page: int, L: int) -> int:
+    w = int(context_lens.max().item())            # the host sync that makes this uncapturable
+    return min(L, max(page, -(-w // page) * page))
+
+
+# ----------------------------------------------------------------------- backends
+
+@backends.register("indexer_logits", "torch_fallback", kind="torch", priority=0,
+                   description="fp32 torch over all L = max_context positions (the bottleneck)")
+def _logits_fallback(q, k_cache, k_scale, weights, block_table, context_lens, L):
+    return reference_logits(q, k_cache, k_scale, weights, block_table, context_lens, L)
+
+
+@backends.register("indexer_logits", "torch_capped", kind="torch", priority=5,
+                   description="fp32 torch up to the batch's longest visible length (host sync)")
+def _logits_capped(q, k_cache, k_scale, weights, block_table, context_lens, L):
+    W = _capped_width(context_lens, k_cache.shape[1], L)
+    return _pad_logits(reference_logits(q, k_cache, k_scale, weights, block_table,
+                                        context_lens, W), L)
+
+
+@backends.register("indexer_logits", "triton", kind="triton", priority=10,
+                   min_capability=(8, 0), interpreter=True,
+                   description="paged Triton kernel, per-page early exit, capture-safe")
+def _logits_triton(q, k_cache, k_scale, weights, block_table, context_lens, L):
+    from dsv4lab.kernels import indexer as K
+    return K.indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L)
+
+
+@backends.register("indexer_topk", "torch_fallback", kind="torch", priority=0,
+                   description="fp32 torch logits over all L + torch.topk over L (the bottleneck)")
+def _topk_fallback(q, k_cache, k_scale, weights, block_table, context_lens, L, topk):
+    logits = reference_logits(q, k_cache, k_scale, weights, block_table, context_lens, L)
+    return _topk_from_logits(logits, topk)
+
+
+@backends.register("indexer_topk", "torch_capped", kind="torch", priority=5,
+                   description="fp32 torch + torch.topk up to the batch's longest length (host sync)")
+def _topk_capped(q, k_cache, k_scale, weights, block_table, context_lens, L, topk):
+    W = _capped_width(context_lens, k_cache.shape[1], L)
+    logits = reference_logits(q, k_cache, k_scale, weights, block_table, context_lens, W)
+    return _topk_from_logits(logits, topk)
+
+
+@backends.register("indexer_topk", "triton", kind="triton", priority=10,
+                   min_capability=(8, 0), interpreter=True,
+                   description="paged Triton logits + per-row radix select, O(actual), capture-safe")
+def _topk_triton(q, k_cache, k_scale, weights, block_table, context_lens, L, topk):
+    from dsv4lab.kernels import indexer as K
+    return K.indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, topk)
+
+
+# -------------------------------------------------------------------- public ops
+
+def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
+                   max_context=None, backend="auto"):
+    """Indexer logits [B, S_q, L] fp32; -inf at positions ``j >= context_lens[b, s]``.
+
+    q [B, S_q, Hi, Di] (float8_e4m3fn, bf16 or fp32); k_cache [P, page, Di] (e4m3, bf16
+    or fp32); k_scale [P, page] fp32; weights [B, S_q, Hi] fp32; block_table int32
+    [B, max_pages] (logical page i of row b lives in physical page block_table[b, i]);
+    context_lens int32 [B, S_q] (visible entries of each query). L = ``max_context``
+    (in entries) or max_pages * page. The matmul runs in the wider of q's and k's dtypes
+    (fp8 x fp8 on FP8 tensor cores where the GPU has them), accumulating in fp32.
+
+    Explained in notebooks/03_indexer_capping.ipynb.
+    """
+    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context)
+    be = backends.resolve("indexer_logits", backend, device=q.device)
+    return be.fn(q, k_cache, k_scale, weights, block_table, context_lens, L)
+
+
+def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, *,
+                 max_context=None, topk=512, backend="auto"):
+    """Top-``topk`` logical entry positions per query: int32 [B, S_q, topk].
+
+    Same inputs as :func:`indexer_logits`. Positions are in [0, context_lens[b, s]);
+    -1 fills the slots when fewer than ``topk`` entries are visible (the -1 come last).
+    Ties at the k-th score are broken arbitrarily; the order of the kept positions is
+    unspecified (torch backends: by descending score; triton: by ascending position).
+
+    Explained in notebooks/03_indexer_capping.ipynb.
+    """
+    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context, topk)
+    be = backends.resolve("indexer_topk", backend, device=q.device)
+    return be.fn(q, k_cache, k_scale, weights, block_table, context_lens, L, topk)
+
+
+def to_cache_slots(indices, block_table, page_size):
+    """Logical entry positions -> flat cache slots ``block_table[b, pos // page] * page + pos % page``.
+
+    indices int32 [B, S_q, topk] (-1 kept as -1); block_table int32 [B, max_pages]. The
+    result indexes a cache viewed as [P * page, ...] (what ``sparse_mla_decode`` takes).
+
+    Explained in notebooks/03_indexer_capping.ipynb.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise ValueError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if not isinstance(block_table, torch.Tensor):
+        raise ValueError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 3:
+        raise ValueError(f"indices must be int32 [B, S_q, topk], got {indices.dtype} "
+                         f"shape {tuple(indices.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"block_table must be int32 [B, max_pages], got {block_table.dtype} "
+                         f"shape {tuple(block_table.shape)}")
+    if block_table.shape[0] != indices.shape[0]:
+        raise ValueError(f"block_table must have B = {indices.shape[0]} rows (indices' batch), "
+                         f"got {block_table.shape[0]}")
+    if indices.device != block_table.device:
+        raise ValueError(f"indices and block_table must be on one device, got "
+                         f"{indices.device} and {block_table.device}")
+    max_pages = block_table.shape[1]
+    idx = indices.long()
+    valid = idx >= 0
+    capturing = indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        bad = (valid & (idx >= max_pages * page_size)) | (idx < -1)
+        if bool(bad.any()):
+            raise ValueError(f"indices must be -1 or logical positions in [0, max_pages * "
+                             f"page_size = {max_pages * page_size})")
+    safe = torch.where(valid, idx, 0)
+    pidx = (safe // page_size).clamp(max=max_pages - 1)
+    B = indices.shape[0]
+    phys = torch.gather(block_table.long(), 1, pidx.reshape(B, -1)).reshape(idx.shape)
+    slots = phys * page_size + safe % page_size
+    return torch.where(valid, slots, -1).to(torch.int32)
+
+
+# -------------------------------------------------------------------- cost model
+
+def indexer_bytes(batch: int, s_q: int, entries: int, *, heads: int = 64, head_dim: int = 128,
+                  key_bytes: int = 1, q_bytes: int = 1, page: int = 64,
+                  write_logits: bool = True) -> int:
+    """HBM bytes to score ``entries`` keys for each of ``batch * s_q`` queries, at least.
+
+    Keys (``key_bytes`` each: 1 = e4m3, 2 = bf16) and their fp32 scales are read once per
+    query row (each batch row owns its pages), plus q, the head weights, the block
+    table, and the fp32 logits written. The roofline of notebooks/03_indexer_capping.ipynb.
+    """
+    rows = batch * s_q
+    keys = rows * entries * (head_dim * key_bytes + 4)
+    q = rows * heads * (head_dim * q_bytes + 4)
+    bt = batch * -(-entries // page) * 4
+    return keys + q + bt + (rows * entries * 4 if write_logits else 0)
+
+
+def indexer_flops(batch: int, s_q: int, entries: int, *, heads: int = 64,
+                  head_dim: int = 128) -> int:
+    """FLOPs of the indexer matmul plus ReLU/weight/sum epilogue for ``entries`` keys per row."""
+    return batch * s_q * entries * heads * (2 * head_dim + 3)

@@ -1,0 +1,236 @@
+"""``dsv4lab bench indexer``: the lightning indexer's cost against max_context.
+
+Three sets of rows (field ``kind``), for DeepSeek-V4-Flash's indexer (64 heads x 128
+dims, FP8 e4m3 keys with fp32 scales, pages of 64 c4 entries, one query per request):
+
+- ``"topk_vs_max_context"``: ``indexer_topk`` (top-512) for every backend at a fixed
+  512 actual tokens while the configured max context grows 8K -> 1M tokens. Lengths are
+  given both in TOKENS (``*_tokens``) and in c4 ENTRIES (``*_entries`` = tokens / 4):
+  the indexer scores entries. ``entries_scored`` is what the backend touches per row.
+- ``"logits_roofline"``: the Triton ``indexer_logits`` kernel on 131,072 actual tokens
+  (32,768 entries per request, each request its own pages) against the HBM roofline.
+- ``"matmul_dtype"``: the same logits with the matmul in fp32, bf16 and fp8 (the q/k
+  dtypes the kernel switches on), timed, with the top-512 recall and logit error vs
+  fp32 math on the unquantised keys.
+
+Full mode: B = 64 on the GPU (~1 minute on an H200). Smoke mode: tiny CPU shapes.
+Explained in notebooks/03_indexer_capping.ipynb.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4lab import backends, bench, runtime
+from dsv4lab.bench import benchmark
+from dsv4lab.kernels import indexer as K
+from dsv4lab.ops import indexer as ops_indexer
+from dsv4lab.ops.indexer import indexer_bytes, indexer_flops, reference_logits
+
+COMPRESS = 4          # one c4 entry per 4 tokens
+FP8 = torch.float8_e4m3fn
+DTYPE_NAMES = {FP8: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+FULL = dict(batch=64, s_q=1, heads=64, head_dim=128, page=64, topk=512,
+            max_context_tokens=(8192, 32768, 131072, 1048576), actual_tokens=512,
+            logits_actual_tokens=131072)
+SMOKE = dict(batch=2, s_q=1, heads=4, head_dim=32, page=16, topk=8,
+             max_context_tokens=(256, 1024), actual_tokens=64,
+             logits_actual_tokens=512)
+
+
+def make_inputs(*, batch, s_q, heads, head_dim, page, L, actual, q_dtype=FP8, k_dtype=FP8,
+                device=None, seed=0, keys_fp32=False):
+    """Indexer inputs: each request owns ceil(actual/page) pages; unused table slots -> page 0.
+
+    ``L`` and ``actual`` are in entries. With ``keys_fp32`` also returns the unquantised
+    fp32 keys (for accuracy against exact math).
+    """
+    device = device or runtime.device()
+    g = torch.Generator(device=device).manual_seed(seed)
+    ppr = max(1, -(-actual // page))
+    P = batch * ppr
+    max_pages = -(-L // page)
+    kf = torch.randn(P, page, head_dim, generator=g, device=device)
+    k = kf.to(k_dtype)
+    ks = torch.rand(P, page, generator=g, device=device) * 0.5 + 0.75
+    q = torch.randn(batch, s_q, heads, head_dim, generator=g, device=device).to(q_dtype)
+    w = torch.randn(batch, s_q, heads, generator=g, device=device) * heads ** -0.5
+    bt = torch.zeros(batch, max_pages, dtype=torch.int32, device=device)
+    bt[:, :ppr] = torch.arange(P, dtype=torch.int32, device=device).reshape(batch, ppr)
+    ctx = torch.full((batch, s_q), actual, dtype=torch.int32, device=device)
+    args = (q, k, ks, w, bt, ctx)
+    return (args, kf) if keys_fp32 else args
+
+
+def _base(cfg, **kw):
+    row = dict(batch=cfg["batch"], s_q=cfg["s_q"], heads=cfg["heads"], head_dim=cfg["head_dim"],
+               page_entries=cfg["page"], compress_ratio=COMPRESS, topk=cfg["topk"])
+    row.update(kw)
+    return row
+
+
+def _free():
+    if runtime.has_cuda():
+        torch.cuda.empty_cache()
+
+
+def topk_vs_max_context(cfg) -> list[dict]:
+    rows = []
+    actual = cfg["actual_tokens"] // COMPRESS
+    for name in ("torch_fallback", "torch_capped", "triton"):
+        fn = backends.resolve("indexer_topk", name).fn
+        for mct in cfg["max_context_tokens"]:
+            L = mct // COMPRESS
+            args = make_inputs(batch=cfg["batch"], s_q=cfg["s_q"], heads=cfg["heads"],
+                               head_dim=cfg["head_dim"], page=cfg["page"], L=L, actual=actual)
+            # one checked call through the public op, then time the backend itself
+            ops_indexer.indexer_topk(*args, max_context=L, topk=cfg["topk"], backend=name)
+            call = (lambda a=args, L=L: fn(*a, L, cfg["topk"]))
+            t = bench.time_graph(call) if name == "triton" else bench.time_fn(call)
+            scored = L if name == "torch_fallback" else (
+                -(-actual // cfg["page"]) * cfg["page"] if name == "torch_capped" else actual)
+            row = _base(cfg, kind="topk_vs_max_context", op="indexer_topk", backend=name,
+                        q_dtype="fp8", k_dtype="fp8", dot=_dot_name(FP8, FP8),
+                        max_context_tokens=mct, max_context_entries=L,
+                        actual_tokens=cfg["actual_tokens"], actual_entries=actual,
+                        entries_scored=scored, **t)
+            bench.with_roofline(row, bytes_moved=indexer_bytes(
+                cfg["batch"], cfg["s_q"], scored, heads=cfg["heads"], head_dim=cfg["head_dim"],
+                page=cfg["page"]), flops=indexer_flops(cfg["batch"], cfg["s_q"], scored,
+                                                       heads=cfg["heads"], head_dim=cfg["head_dim"]),
+                dtype="fp8")
+            rows.append(row)
+            del args
+            _free()
+    return rows
+
+
+def _dot_name(q_dtype, k_dtype) -> str:
+    return K.DOT_NAMES[K.dot_mode(q_dtype, k_dtype, runtime.device())]
+
+
+def logits_and_dtypes(cfg) -> list[dict]:
+    """Triton logits at a long actual length: the roofline row, then the dtype flips."""
+    rows = []
+    actual = cfg["logits_actual_tokens"] // COMPRESS
+    L = actual
+    B, S, H, D = cfg["batch"], cfg["s_q"], cfg["heads"], cfg["head_dim"]
+    (q0, k0, ks, w, bt, ctx), kf = make_inputs(batch=B, s_q=S, heads=H, head_dim=D,
+                                                page=cfg["page"], L=L, actual=actual,
+                                                q_dtype=torch.float32, keys_fp32=True)
+    del k0
+    truth = reference_logits(q0, kf, ks, w, bt, ctx, L)      # fp32 math, unquantised keys
+    k_truth = min(cfg["topk"], L)
+    top_truth = torch.topk(truth, k_truth, dim=-1).indices
+    scale = truth.abs().amax(dim=-1, keepdim=True)
+    fn = backends.resolve("indexer_logits", "triton").fn
+    variants = [(FP8, FP8, "logits_roofline"), (torch.float32, FP8, "matmul_dtype"),
+                (torch.bfloat16, FP8, "matmul_dtype"), (FP8, FP8, "matmul_dtype"),
+                (torch.bfloat16, torch.bfloat16, "matmul_dtype")]
+    for q_dt, k_dt, kind in variants:
+        q, k = q0.to(q_dt), kf.to(k_dt)
+        args = (q, k, ks, w, bt, ctx)
+        out = ops_indexer.indexer_logits(*args, max_context=L, backend="triton")
+        top = torch.topk(out, k_truth, dim=-1).indices
+        hit = (top[..., :, None] == top_truth[..., None, :]).any(-1).float().mean().item()
+        err = ((out - truth).abs() / scale).max().item()
+        del out, top
+        t = bench.time_graph(lambda a=args: fn(*a, L))
+        dot = _dot_name(q_dt, k_dt)
+        row = _base(cfg, kind=kind, op="indexer_logits", backend="triton",
+                    q_dtype=DTYPE_NAMES[q_dt], k_dtype=DTYPE_NAMES[k_dt], dot=dot,
+                    max_context_tokens=cfg["logits_actual_tokens"], max_context_entries=L,
+                    actual_tokens=cfg["logits_actual_tokens"], actual_entries=actual,
+                    entries_scored=actual, recall_vs_fp32=hit, max_rel_logit_err=err, **t)
+        bench.with_roofline(row, bytes_moved=indexer_bytes(
+            B, S, actual, heads=H, head_dim=D, key_bytes=k.element_size(),
+            q_bytes=q.element_size(), page=cfg["page"]),
+            flops=indexer_flops(B, S, actual, heads=H, head_dim=D),
+            dtype="fp8" if dot == "fp8" else "bf16")
+        rows.append(row)
+        del q, k, args
+        _free()
+    return rows
+
+
+def format_row(r: dict) -> str:
+    frac = r.get("roofline_fraction")
+    extra = ""
+    if "recall_vs_fp32" in r:
+        extra = f" recall@{r['topk']}={r['recall_vs_fp32']:.4f} err={r['max_rel_logit_err']:.1e}"
+    return (f"{r['kind']:<20} {r['op']:<15} {r['backend']:<15} q={r['q_dtype']:<4} "
+            f"k={r['k_dtype']:<4} dot={r['dot']:<4} max_ctx={r['max_context_tokens']:>8} tok "
+            f"actual={r['actual_tokens']:>7} tok  {r['ms'] * 1e3:>10.1f} us ({r['timing']})"
+            + (f" roof={frac:.2f}" if frac is not None else "") + extra)
+
+
+@benchmark("indexer", "lightning indexer: top-k vs max_context per backend; logits roofline; "
+                      "fp32/bf16/fp8 matmul")
+def run_indexer(smoke: bool) -> list[dict]:
+    cfg = SMOKE if smoke else FULL
+    rows = topk_vs_max_context(cfg) + logits_and_dtypes(cfg)
+    print(f"indexer bench ({'smoke' if smoke else 'full'}, B={cfg['batch']}, S_q={cfg['s_q']}, "
+          f"{cfg['heads']}x{cfg['head_dim']} heads, page={cfg['page']} entries, "
+          f"1 entry = {COMPRESS} tokens, topk={cfg['topk']})")
+    for r in rows:
+        print(format_row(r))
+    tri = {r["max_context_tokens"]: r["ms"] for r in rows
+           if r["kind"] == "topk_vs_max_context" and r["backend"] == "triton"}
+    if len(tri) > 1:
+        lo, hi = min(tri), max(tri)
+        print(f"triton indexer_topk: {tri[hi] / tri[lo]:.3f}x from {lo} to {hi} max-context tokens")
+    return rows
+
+
+def graph_replay_demo(*, smoke: bool = True, scenarios=None) -> list[dict]:
+    """Capture one decode-step ``indexer_topk`` (triton) and replay it with new lengths.
+
+    On a GPU: one ``torch.cuda.CUDAGraph`` captured once; each scenario writes new
+    ``context_lens`` and a shuffled block table into the SAME buffers, replays, and
+    compares with an eager call. On the CPU (no graphs) the same buffers are rewritten and
+    the kernel is called again, showing it reads the lengths from the tensors, not from
+    Python. Returns one row per scenario.
+    """
+    cfg = SMOKE if smoke or not runtime.has_cuda() else dict(FULL, batch=8)
+    B, page, topk = cfg["batch"], cfg["page"], cfg["topk"]
+    max_pages = 8 if smoke else 48
+    L = page * max_pages
+    args = make_inputs(batch=B, s_q=1, heads=cfg["heads"], head_dim=cfg["head_dim"], page=page,
+                       L=L, actual=L, seed=3)
+    q, k, ks, w, bt, ctx = args
+    P = k.shape[0]
+    fn = lambda: ops_indexer.indexer_topk(*args, topk=topk, backend="triton")  # noqa: E731
+    graph, out = None, None
+    if runtime.has_cuda():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+    g = torch.Generator().manual_seed(0)
+    scenarios = scenarios or [[L] * B, [0, 1] + [topk - 1, topk + 1] * ((B - 2) // 2),
+                              torch.randint(0, L + 1, (B,), generator=g).tolist()]
+    rows = []
+    for i, lens in enumerate(scenarios):
+        lens = (list(lens) * B)[:B]
+        ctx.copy_(torch.tensor(lens, dtype=torch.int32).reshape(B, 1))
+        bt.copy_(torch.randperm(P, generator=g).reshape(B, -1)[:, :max_pages].to(torch.int32))
+        if graph is not None:
+            graph.replay()
+            torch.cuda.synchronize()
+            got = out.clone()
+        else:
+            got = fn()
+        eager = ops_indexer.indexer_topk(*args, topk=topk, backend="torch_fallback")
+        ref = reference_logits(*args, L)
+        sc = lambda idx: torch.where(idx >= 0, torch.gather(ref, 2, idx.clamp(min=0).long()),  # noqa: E731
+                                     float("-inf")).sort(-1).values
+        rows.append(dict(scenario=i, context_lens=lens, replayed=graph is not None,
+                         valid_counts=(got >= 0).sum(-1).flatten().tolist(),
+                         same_scores_as_fp32_topk=bool(torch.allclose(sc(got), sc(eager),
+                                                                      rtol=2e-2, atol=2e-2))))
+    return rows

@@ -1,0 +1,134 @@
+"""``dsv4lab bench moe``: the FP4 MoE at DeepSeek-V4-Flash's shape.
+
+256 experts, top-6, hidden 4096, intermediate 2048; T in {1, 8, 64, 256} tokens routed by
+:func:`dsv4lab.ops.route` on random logits (realistic spread of experts). Rows:
+
+- ``triton`` with MXFP4 and with NVFP4 experts (CUDA-graph timed: the decode path never
+  syncs with the host);
+- ``torch_ref``: the reference backend (dequantise each expert hit to fp32, matmul);
+- ``torch_bf16``: "just dequantise at load": bf16 weights, a per-expert bf16 matmul loop.
+
+Every row's roofline uses the FP4 bytes (packed weights + scales) of the experts the drawn
+routing actually hits, at the row's format (the MXFP4 bytes for the torch rows, the
+yardstick they are compared against), and 2 FLOPs per weight per routed token.
+
+Weights are random bytes (every nibble and a realistic scale range), not a quantised
+checkpoint: what is measured is data movement and decoding, which do not depend on the
+values. Explained in notebooks/04_mxfp4_moe_port.ipynb.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4lab import bench, runtime
+from dsv4lab.ops import fused_moe, route
+from dsv4lab.ops.moe import moe_dense
+from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_quantize
+
+FLASH = dict(E=256, H=4096, I=2048, topk=6)
+TOKENS = (1, 8, 64, 256)
+SWIGLU_LIMIT = 10.0
+
+
+def fp4_bytes(n_experts: int, H: int, I: int, fmt: str) -> float:
+    """Packed weights + scales of ``n_experts`` experts (w13 and w2)."""
+    weights = n_experts * 3 * H * I
+    packed = weights / 2
+    scales = weights / 32 if fmt == "mxfp4" else weights / 16
+    return packed + scales
+
+
+def _random_experts(E, H, I, fmt, device, gen):
+    """Random FP4 experts: uniform bytes, scales in a realistic range."""
+    def packed(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
+    w13, w2 = packed(E, 2 * I, H // 2), packed(E, H, I // 2)
+    if fmt == "mxfp4":
+        s13 = torch.randint(118, 122, (E, 2 * I, H // 32), dtype=torch.uint8, device=device, generator=gen)
+        s2 = torch.randint(118, 122, (E, H, I // 32), dtype=torch.uint8, device=device, generator=gen)
+        return dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, kw={})
+    s13 = (torch.rand(E, 2 * I, H // 16, device=device, generator=gen) * 4 + 0.5).to(torch.float8_e4m3fn)
+    s2 = (torch.rand(E, H, I // 16, device=device, generator=gen) * 4 + 0.5).to(torch.float8_e4m3fn)
+    g = torch.full((E,), 2e-3, device=device)
+    return dict(w13=w13, w13_scale=s13, w2=w2, w2_scale=s2, kw=dict(w13_global=g, w2_global=g.clone()))
+
+
+def _quantised_experts(E, H, I, fmt, device, gen):
+    """Small shapes (smoke): real quantisation of random weights."""
+    w13 = torch.randn(E, 2 * I, H, generator=gen) * 0.1
+    w2 = torch.randn(E, H, I, generator=gen) * 0.1
+    if fmt == "mxfp4":
+        a, b = mxfp4_quantize(w13)
+        c, d = mxfp4_quantize(w2)
+        return dict(w13=a.to(device), w13_scale=b.to(device), w2=c.to(device), w2_scale=d.to(device), kw={})
+    a, b, g1 = nvfp4_quantize(w13)
+    c, d, g2 = nvfp4_quantize(w2)
+    return dict(w13=a.to(device), w13_scale=b.to(device), w2=c.to(device), w2_scale=d.to(device),
+                kw=dict(w13_global=g1, w2_global=g2))
+
+
+def _dequant_bf16(ex, E):
+    """mxfp4 -> bf16 once, expert by expert (the 'dequantise at load' baseline)."""
+    w13 = torch.stack([mxfp4_dequantize(ex["w13"][e], ex["w13_scale"][e], dtype=torch.bfloat16) for e in range(E)])
+    w2 = torch.stack([mxfp4_dequantize(ex["w2"][e], ex["w2_scale"][e], dtype=torch.bfloat16) for e in range(E)])
+    return w13, w2
+
+
+def _row(T, impl, fmt, hit, n_pairs, shape, timing, basis_fmt):
+    E, H, I, k = shape["E"], shape["H"], shape["I"], shape["topk"]
+    row = dict(T=T, impl=impl, fmt=fmt, E=E, hidden=H, intermediate=I, topk=k,
+               experts_hit=hit, roofline_basis=f"{basis_fmt} bytes of the experts hit", **timing)
+    return bench.with_roofline(row, bytes_moved=fp4_bytes(hit, H, I, basis_fmt),
+                               flops=2.0 * n_pairs * 3 * H * I)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'T':>4} {'impl':<11} {'fmt':<6} {'hit':>4} {'us':>11} {'roof us':>9} {'frac':>7}  timing")
+    for r in rows:
+        print(f"{r['T']:>4} {r['impl']:<11} {r['fmt']:<6} {r['experts_hit']:>4} {r['ms'] * 1e3:>11.1f} "
+              f"{r['roofline_ms'] * 1e3:>9.2f} {r.get('roofline_fraction', 0):>7.4f}  {r['timing']}")
+
+
+@bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
+def bench_moe(smoke: bool) -> list[dict]:
+    dev = runtime.device()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    if smoke:
+        shape, tokens = dict(E=8, H=64, I=64, topk=2), (1, 4)
+        make = _quantised_experts
+        cpu_gen = torch.Generator().manual_seed(0)
+        experts = {f: make(shape["E"], shape["H"], shape["I"], f, dev, cpu_gen) for f in ("mxfp4", "nvfp4")}
+    else:
+        shape, tokens = FLASH, TOKENS
+        experts = {f: _random_experts(shape["E"], shape["H"], shape["I"], f, dev, gen) for f in ("mxfp4", "nvfp4")}
+    E, H, I, k = shape["E"], shape["H"], shape["I"], shape["topk"]
+    w13_bf16, w2_bf16 = _dequant_bf16(experts["mxfp4"], E)
+    rows = []
+    for T in tokens:
+        logits = torch.randn(T, E, device=dev, generator=gen)
+        bias = torch.randn(E, device=dev, generator=gen) * 0.1
+        ids, w = route(logits, bias, topk=k)
+        hit = int(torch.unique(ids).numel())
+        pairs = ids.numel()
+        x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+        for fmt in ("mxfp4", "nvfp4"):
+            ex = experts[fmt]
+
+            def run(ex=ex, fmt=fmt):
+                return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
+                                 swiglu_limit=SWIGLU_LIMIT, backend="triton", **ex["kw"])
+            rows.append(_row(T, "triton", fmt, hit, pairs, shape, bench.time_graph(run), fmt))
+        ex = experts["mxfp4"]
+
+        def ref():
+            return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt="mxfp4",
+                             swiglu_limit=SWIGLU_LIMIT, backend="torch")
+        t = bench.time_fn(ref, warmup_ms=1, rep_ms=50)
+        rows.append(_row(T, "torch_ref", "mxfp4", hit, pairs, shape, t, "mxfp4"))
+
+        def dense():
+            return moe_dense(x, w13_bf16, w2_bf16, ids, w, swiglu_limit=SWIGLU_LIMIT)
+        rows.append(_row(T, "torch_bf16", "bf16", hit, pairs, shape,
+                         bench.time_fn(dense, warmup_ms=5, rep_ms=50), "mxfp4"))
+    print_table(rows)
+    return rows

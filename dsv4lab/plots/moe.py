@@ -1,0 +1,83 @@
+"""Figures of notebook 04: the FP4 MoE against its memory roofline, and the bytes story.
+
+:func:`plot_moe` takes rows of ``dsv4lab.results.load("moe")`` (or a live ``bench.run``)
+and draws a note instead of crashing when there are none. :func:`plot_bytes_per_token`
+needs no measurement: it shows why FP4 decode MoE is a memory problem. Explained in
+notebooks/04_mxfp4_moe_port.ipynb.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from dsv4lab import results, roofline
+
+KEYS = ("T", "impl", "fmt", "E", "hidden", "intermediate", "topk", "gpu")
+STYLE = {("triton", "mxfp4"): ("#2ca02c", "^", "Triton, MXFP4 (CUDA graph)"),
+         ("triton", "nvfp4"): ("#1f77b4", "v", "Triton, NVFP4 (CUDA graph)"),
+         ("torch_ref", "mxfp4"): ("#d62728", "o", "torch: dequantise + fp32 matmul per expert"),
+         ("torch_bf16", "bf16"): ("#ff7f0e", "s", "torch: bf16 weights (dequantised at load)")}
+
+
+def _note(ax, text):
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def clean(rows, *, smoke: bool = False) -> list[dict]:
+    """Newest row per configuration; GPU rows only unless ``smoke``."""
+    return results.latest([r for r in rows if bool(r.get("smoke")) == smoke], KEYS)
+
+
+def plot_moe(rows=None, *, smoke: bool = False, ax=None):
+    """Time per MoE call vs tokens, each implementation, with the FP4 roofline."""
+    rows = clean(results.load("moe") if rows is None else rows, smoke=smoke)
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+    if not rows:
+        _note(ax, "no recorded moe rows yet:\nrun `dsv4lab bench moe` on a GPU")
+        return fig or ax.figure
+    for (impl, fmt), (color, marker, label) in STYLE.items():
+        pts = sorted((r["T"], r["ms"] * 1e3) for r in rows if r["impl"] == impl and r["fmt"] == fmt)
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, color=color, label=label)
+    roof = sorted({(r["T"], r["roofline_ms"] * 1e3) for r in rows
+                   if r["impl"] == "triton" and r["fmt"] == "mxfp4"})
+    if roof:
+        ax.plot(*zip(*roof), "k--", label="roofline: MXFP4 bytes of experts hit / HBM bandwidth")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens T (top-6 of 256 experts)")
+    ax.set_ylabel("microseconds per MoE layer")
+    ax.set_title(f"FP4 MoE at DeepSeek-V4-Flash's shape\n{results.label(rows)}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig or ax.figure
+
+
+def plot_bytes_per_token(*, E=256, H=4096, I=2048, topk=6, device="H200", ax=None, max_t=512):
+    """Expected experts hit and FP4 bytes per token vs T, and the arithmetic intensity
+    against the GPU's ridge point: decode MoE sits far left of the ridge."""
+    spec = roofline.device_spec(device)
+    ts = [2 ** i for i in range(0, max_t.bit_length())]
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+    intensity = []
+    for t in ts:
+        hit = E * (1 - (1 - topk / E) ** t)                   # uniform-routing expectation
+        nbytes = hit * 3 * H * I * (0.5 + 1 / 32)
+        flops = 2.0 * t * topk * 3 * H * I
+        intensity.append(flops / nbytes)
+    ax.plot(ts, intensity, marker="o", label="MXFP4 MoE: FLOP per byte of weights read")
+    ax.axhline(roofline.ridge_point(spec), color="k", ls="--",
+               label=f"{spec.name} ridge point (bf16): {roofline.ridge_point(spec):.0f} FLOP/B")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("arithmetic intensity (FLOP/byte)")
+    ax.set_title("Why decode MoE is memory-bound (expected experts hit, uniform routing)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig or ax.figure

@@ -1,0 +1,117 @@
+"""Grouping token-expert pairs by expert, without asking the host anything.
+
+A MoE layer with T tokens and top-k routing has P = T*k (token, expert) pairs, pair
+``p = t*k + j``. The expert GEMMs want the pairs of one expert next to each other, cut
+into blocks of at most BM rows, each block tagged with its expert:
+
+    sorted_pair [P]        pair ids, grouped by expert (stable), invalid ids (-1) last
+    block_expert [NB_MAX]  expert of block b, or -1 for the unused tail
+    block_start [NB_MAX]   where block b starts in sorted_pair
+    block_count [NB_MAX]   how many rows (1..BM) block b has
+
+The number of blocks is data dependent, but bounded: NB_MAX = min(P, E) + P // BM. The
+GEMM kernels are launched over NB_MAX blocks and the unused ones return at once, so no
+count ever travels back to the host and the whole MoE can be captured in a CUDA graph.
+
+Two implementations with the same output: a single-program Triton kernel for
+decode-sized P (a bitonic sort of keys ``expert * P_PAD + pair`` and a one-hot count),
+and a torch one (sort, scatter_add, cumsum, searchsorted: also sync-free) for prefill.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# largest padded pair count the single-program kernel handles (the one-hot is P_PAD x E_PAD)
+ALIGN_KERNEL_MAX_P = 1024
+
+
+def num_blocks_max(P: int, E: int, BM: int) -> int:
+    """Upper bound on blocks: sum_e ceil(n_e / BM) <= P // BM + #experts hit."""
+    return min(P, E) + P // BM
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
+                      block_count_ptr, P, E, NB_MAX,
+                      BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    offs = tl.arange(0, P_PAD)
+    inb = offs < P
+    ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32)
+    valid = (ids >= 0) & (ids < E) & inb
+    eid = tl.where(valid, ids, E)                     # invalid -> bucket E, sorted last
+    key = eid * P_PAD + offs                          # stable: pair index breaks ties
+    skey = tl.sort(key)
+    tl.store(sorted_pair_ptr + offs, skey % P_PAD, mask=inb)
+
+    ex = tl.arange(0, E_PAD)
+    onehot = (eid[:, None] == ex[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    counts = tl.where(ex < E, counts, 0)
+    start = tl.cumsum(counts, axis=0) - counts
+    nb = (counts + BM - 1) // BM
+    bstart = tl.cumsum(nb, axis=0) - nb
+    total = tl.sum(nb, axis=0)
+    max_nb = tl.max(nb, axis=0)
+    for q in range(0, max_nb):
+        m = q < nb
+        b = bstart + q
+        tl.store(block_expert_ptr + b, ex, mask=m)
+        tl.store(block_start_ptr + b, start + q * BM, mask=m)
+        tl.store(block_count_ptr + b, tl.minimum(counts - q * BM, BM), mask=m)
+    for b0 in range(0, NB_MAX, E_PAD):                # the unused tail: disjoint stores
+        bb = b0 + ex
+        tl.store(block_expert_ptr + bb, -1, mask=(bb >= total) & (bb < NB_MAX))
+
+
+def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int):
+    """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P)."""
+    P = topk_ids.numel()
+    P_PAD = max(16, triton.next_power_of_2(P))
+    if P_PAD > ALIGN_KERNEL_MAX_P:
+        raise ValueError(f"moe_align_triton handles up to {ALIGN_KERNEL_MAX_P} pairs, got {P}")
+    E_PAD = max(16, triton.next_power_of_2(E))
+    nbm = num_blocks_max(P, E, BM)
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    sorted_pair = torch.empty(P, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nbm, dtype=torch.int32, device=dev)
+    block_start = torch.empty(nbm, dtype=torch.int32, device=dev)
+    block_count = torch.empty(nbm, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](ids, sorted_pair, block_expert, block_start, block_count, P, E, nbm,
+                            BM=BM, P_PAD=P_PAD, E_PAD=E_PAD, num_warps=4 if P_PAD <= 256 else 8)
+    return sorted_pair, block_expert, block_start, block_count
+
+
+def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int):
+    """The same grouping with torch ops (no host sync either); used for prefill-sized P."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    P = flat.numel()
+    valid = (flat >= 0) & (flat < E)
+    eid = torch.where(valid, flat, torch.full_like(flat, E))
+    key = eid * P + torch.arange(P, device=dev)
+    sorted_pair = (torch.sort(key).values % P).to(torch.int32)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev).scatter_add_(0, eid, torch.ones_like(eid))[:E]
+    start = torch.cumsum(counts, 0) - counts
+    nb = (counts + BM - 1) // BM
+    cum_nb = torch.cumsum(nb, 0)
+    nbm = num_blocks_max(P, E, BM)
+    b = torch.arange(nbm, device=dev)
+    e = torch.searchsorted(cum_nb, b, right=True)
+    used = e < E
+    ec = e.clamp(max=E - 1)
+    q = b - (cum_nb[ec] - nb[ec])
+    block_expert = torch.where(used, e, torch.full_like(e, -1)).to(torch.int32)
+    block_start = torch.where(used, start[ec] + q * BM, torch.zeros_like(e)).to(torch.int32)
+    block_count = torch.where(used, torch.clamp(counts[ec] - q * BM, max=BM), torch.zeros_like(e)).to(torch.int32)
+    return sorted_pair, block_expert, block_start, block_count
+
+
+def moe_align(topk_ids: torch.Tensor, E: int, BM: int):
+    """``(sorted_pair, block_expert, block_start, block_count)``: Triton for small P, torch above."""
+    P = topk_ids.numel()
+    if max(16, triton.next_power_of_2(P)) <= ALIGN_KERNEL_MAX_P:
+        return moe_align_triton(topk_ids, E, BM)
+    return moe_align_torch(topk_ids, E, BM)

@@ -1,0 +1,370 @@
+"""The lightning indexer (dsv4lab.ops.indexer, dsv4lab.kernels.indexer).
+
+CPU: Triton interpreter, tiny shapes (4 heads x 32 dims, pages of 16 or odd sizes).
+GPU (@pytest.mark.gpu): the DeepSeek-V4 shape (64 x 128), long rows that take the radix
+select, the sm_80 byte-decode path, and the CUDA-graph replay with new lengths and
+block tables.
+
+Tolerances (vs the fp32 torch reference, relative to the row's largest |logit|):
+- interpreter, every dtype: 1e-5. e4m3 and bf16 upcast exactly, products are exact in
+  fp32, so only the summation order differs.
+- GPU fp32 (IEEE dot) and bf16 (tensor cores, fp32 accumulate): 1e-4.
+- GPU fp8 (e4m3 tensor cores): 2e-2; Hopper's FP8 MMA accumulates with reduced
+  precision inside each instruction (Triton's default max_num_imprecise_acc).
+Top-k sets are compared through the scores they select (ties may pick either entry).
+"""
+import dsv4lab  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4lab import backends
+from dsv4lab.kernels import indexer as K
+from dsv4lab.ops import indexer_logits, indexer_topk, to_cache_slots
+from dsv4lab.ops.indexer import reference_logits
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+F32 = torch.float32
+DTYPES = [(F32, FP8), (BF16, FP8), (FP8, FP8), (BF16, BF16), (F32, F32)]
+TOL_INTERPRETER = 1e-5
+TOL_GPU = {F32: 1e-4, BF16: 1e-4, FP8: 2e-2}
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+
+
+def make(B=2, S=1, H=4, D=32, page=16, max_pages=4, ctx=None, q_dtype=F32, k_dtype=FP8,
+         spare_pages=1, seed=0, device=DEV, unused=-1):
+    """Random indexer inputs; each batch row owns its own (shuffled) physical pages."""
+    g = torch.Generator().manual_seed(seed)
+    P = B * max_pages + spare_pages
+    q = torch.randn(B, S, H, D, generator=g).to(q_dtype)
+    k = (torch.randn(P, page, D, generator=g) * 2).to(k_dtype)
+    ks = torch.rand(P, page, generator=g) + 0.25
+    w = torch.randn(B, S, H, generator=g)
+    bt = torch.randperm(P, generator=g)[: B * max_pages].reshape(B, max_pages).to(torch.int32)
+    if ctx is None:
+        ctx = torch.randint(0, max_pages * page + 1, (B, S), generator=g)
+    ctx = torch.as_tensor(ctx, dtype=torch.int32).reshape(B, S)
+    # pages past a row's longest context hold `unused` (-1: nothing there)
+    need = (ctx.max(dim=1).values.long() + page - 1) // page
+    bt = torch.where(torch.arange(max_pages)[None, :] < need[:, None], bt, unused).to(torch.int32)
+    return [t.to(device) for t in (q, k, ks, w, bt, ctx)]
+
+
+def tol_for(q_dtype, k_dtype, device):
+    if str(device).startswith("cpu"):
+        return TOL_INTERPRETER
+    wide = {FP8: 0, BF16: 1, F32: 2}
+    d = q_dtype if wide[q_dtype] >= wide[k_dtype] else k_dtype
+    return TOL_GPU[d]
+
+
+def assert_logits_close(out, ref, tol):
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    inv_ref, inv_out = torch.isneginf(ref), torch.isneginf(out)
+    assert torch.equal(inv_ref, inv_out), "visibility (-inf) pattern differs"
+    fin = ref.masked_fill(inv_ref, 0)
+    scale = fin.abs().amax(dim=-1, keepdim=True).clamp(min=1e-6)
+    err = (out.masked_fill(inv_out, 0) - fin).abs() / scale
+    assert err.max().item() <= tol, f"max relative error {err.max().item():.3g} > {tol}"
+
+
+def selected_scores(idx, logits):
+    """Scores of the selected positions, sorted descending; -1 slots give -inf."""
+    g = torch.gather(logits, 2, idx.clamp(min=0).long())
+    return torch.where(idx >= 0, g, float("-inf")).sort(dim=-1, descending=True).values
+
+
+def check_topk(idx, ref_logits, ctx, topk, tol, own_logits=None):
+    """Valid, distinct, visible positions; -1 padding last; the scores of the top-k."""
+    B, S, _ = idx.shape
+    assert idx.dtype == torch.int32 and idx.shape[-1] == topk
+    n_expect = ctx.long().clamp(max=topk)
+    n_valid = (idx >= 0).sum(-1)
+    assert torch.equal(n_valid, n_expect), f"valid counts {n_valid.tolist()} != {n_expect.tolist()}"
+    for b in range(B):
+        for s in range(S):
+            row = idx[b, s]
+            n = int(n_expect[b, s])
+            assert bool((row[n:] == -1).all()), "-1 padding must come last"
+            kept = row[:n].long()
+            assert kept.unique().numel() == n, "duplicate positions"
+            assert bool(((kept >= 0) & (kept < ctx[b, s])).all()), "invisible position kept"
+    want = torch.topk(ref_logits, min(topk, ref_logits.shape[-1]), dim=-1).values
+    if want.shape[-1] < topk:
+        want = torch.cat([want, want.new_full((B, S, topk - want.shape[-1]), float("-inf"))], -1)
+    got = selected_scores(idx, ref_logits)
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    scale = ref_logits.masked_fill(torch.isinf(ref_logits), 0).abs().amax(-1, keepdim=True).clamp(min=1e-6)
+    err = ((got - want).masked_fill(~fin, 0) / scale).abs().max().item()
+    assert err <= 2 * tol, f"selected scores differ by {err:.3g} (relative)"
+    if own_logits is not None:  # exactly the top-k of the kernel's own logits
+        own_want = torch.topk(own_logits, min(topk, own_logits.shape[-1]), dim=-1).values
+        own_got = selected_scores(idx, own_logits)[..., : own_want.shape[-1]]
+        assert torch.equal(own_got, own_want)
+
+
+# ------------------------------------------------------------------ interpreter/CPU
+
+@pytest.mark.parametrize("q_dtype,k_dtype", DTYPES)
+def test_logits_match_reference(q_dtype, k_dtype):
+    args = make(B=3, S=2, q_dtype=q_dtype, k_dtype=k_dtype, ctx=[[0, 5], [17, 40], [64, 33]])
+    ref = reference_logits(*args, 64)
+    for be in ("torch_fallback", "torch_capped", "triton"):
+        out = indexer_logits(*args, backend=be)
+        assert_logits_close(out, ref, tol_for(q_dtype, k_dtype, args[0].device))
+    assert torch.isneginf(out[0, 0]).all()           # a zero-length row is all -inf
+
+
+def test_bf16_dot_is_upcast_in_interpreter():
+    """Triton's interpreter returns garbage for bf16 x bf16 tl.dot: the kernel must upcast.
+
+    If dot_mode ever picked bf16 tiles under the interpreter, the bf16 logits test above
+    (and this one, at a larger head dim) would fail.
+    """
+    if not K._interpreting(torch.device(DEV)):
+        pytest.skip("interpreter only")
+    assert K.dot_mode(BF16, BF16, torch.device("cpu")) == K.DOT_FP32
+    assert K.dot_mode(FP8, FP8, torch.device("cpu")) == K.DOT_FP32
+    args = make(B=2, S=1, H=16, D=64, q_dtype=BF16, k_dtype=BF16, ctx=[[64], [31]])
+    assert_logits_close(indexer_logits(*args, backend="triton"), reference_logits(*args, 64),
+                        TOL_INTERPRETER)
+
+
+def test_fp8_byte_decode_path_all_codes():
+    """The sm_80 path (e4m3 as bytes, decoded in-kernel) on every finite e4m3 code."""
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    q, _, ks, w, bt, ctx = make(B=2, S=1, H=4, D=32, page=16, max_pages=4, ctx=[[64], [50]],
+                                q_dtype=FP8, k_dtype=FP8)
+    P = ks.shape[0]
+    k = codes.repeat(P * 16 * 32 // codes.numel() + 1)[: P * 16 * 32].reshape(P, 16, 32)
+    k = k.to(q.device).view(FP8)
+    ref = reference_logits(q, k, ks, w, bt, ctx, 64)
+    out = K.indexer_logits(q, k, ks, w, bt, ctx, 64, fp8_bytes=True)
+    assert_logits_close(out, ref, tol_for(BF16, BF16, q.device))
+    idx = K.indexer_topk(q, k, ks, w, bt, ctx, 64, 16, fp8_bytes=True)
+    check_topk(idx, ref, ctx, 16, tol_for(BF16, BF16, q.device))
+
+
+@pytest.mark.parametrize("topk", [1, 7, 16, 40, 64, 100])
+def test_topk_matches_reference(topk):
+    args = make(B=3, S=2, ctx=[[0, 5], [17, 40], [64, 33]], seed=topk)
+    ref = reference_logits(*args, 64)
+    own = indexer_logits(*args, backend="triton")
+    for be in ("torch_fallback", "torch_capped", "triton"):
+        idx = indexer_topk(*args, topk=topk, backend=be)
+        check_topk(idx, ref, args[5], topk, TOL_INTERPRETER, own if be == "triton" else None)
+
+
+def test_topk_padding_when_few_visible():
+    args = make(B=2, S=1, ctx=[[3], [1]])
+    idx = indexer_topk(*args, topk=8, backend="triton")
+    assert sorted(idx[0, 0, :3].tolist()) == [0, 1, 2] and idx[0, 0, 3:].eq(-1).all()
+    assert idx[1, 0, 0].item() == 0 and idx[1, 0, 1:].eq(-1).all()
+
+
+def test_topk_all_ties_and_all_negative():
+    q, k, ks, w, bt, ctx = make(B=2, S=1, ctx=[[64], [40]])
+    zero_w = torch.zeros_like(w)                      # every logit is exactly 0
+    idx = indexer_topk(q, k, ks, zero_w, bt, ctx, topk=10, backend="triton")
+    check_topk(idx, reference_logits(q, k, ks, zero_w, bt, ctx, 64), ctx, 10, TOL_INTERPRETER)
+    neg_w = -w.abs() - 0.1                            # every logit <= 0, many distinct
+    ref = reference_logits(q, k, ks, neg_w, bt, ctx, 64)
+    idx = indexer_topk(q, k, ks, neg_w, bt, ctx, topk=10, backend="triton")
+    check_topk(idx, ref, ctx, 10, TOL_INTERPRETER, indexer_logits(q, k, ks, neg_w, bt, ctx,
+                                                                  backend="triton"))
+
+
+def test_max_context_narrower_than_block_table():
+    args = make(B=2, S=2, max_pages=5, ctx=[[30, 0], [45, 45]])
+    ref = reference_logits(*args, 45)
+    out = indexer_logits(*args, max_context=45, backend="triton")
+    assert out.shape == (2, 2, 45)
+    assert_logits_close(out, ref, TOL_INTERPRETER)
+    for be in ("torch_fallback", "triton"):
+        check_topk(indexer_topk(*args, max_context=45, topk=20, backend=be), ref, args[5], 20,
+                   TOL_INTERPRETER)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(B=st.integers(1, 5), S=st.integers(1, 3), page=st.sampled_from([4, 5, 16, 12]),
+       max_pages=st.integers(1, 5), topk=st.sampled_from([1, 3, 16, 33]),
+       dt=st.sampled_from(DTYPES), seed=st.integers(0, 2**16), data=st.data())
+def test_sweep_shapes(B, S, page, max_pages, topk, dt, seed, data):
+    L = max_pages * page
+    ctx = data.draw(st.lists(st.integers(0, L), min_size=B * S, max_size=B * S))
+    args = make(B=B, S=S, page=page, max_pages=max_pages, ctx=ctx, q_dtype=dt[0],
+                k_dtype=dt[1], seed=seed)
+    ref = reference_logits(*args, L)
+    own = indexer_logits(*args, backend="triton")
+    tol = tol_for(*dt, args[0].device)
+    assert_logits_close(own, ref, tol)
+    check_topk(indexer_topk(*args, topk=topk, backend="triton"), ref, args[5], topk, tol, own)
+
+
+def test_to_cache_slots():
+    bt = torch.tensor([[5, 2, 7], [0, 1, 3]], dtype=torch.int32)
+    idx = torch.tensor([[[0, 15, 16, 40, -1]], [[47, -1, 3, 17, 32]]], dtype=torch.int32)
+    out = to_cache_slots(idx, bt, 16)
+    want = [[[80, 95, 32, 120, -1]], [[63, -1, 3, 17, 48]]]
+    assert out.dtype == torch.int32 and out.tolist() == want
+    # round trip with the indexer: slots address the flat cache at the chosen keys
+    q, k, ks, w, bt, ctx = make(B=2, S=1, ctx=[[50], [7]])
+    idx = indexer_topk(q, k, ks, w, bt, ctx, topk=8, backend="triton")
+    slots = to_cache_slots(idx, bt, 16)
+    assert torch.equal(slots < 0, idx < 0)
+    flat = k.view(torch.uint8).reshape(-1, 32)
+    pos = idx[0, 0].long()
+    pages = bt[0].long()[pos // 16]
+    assert torch.equal(flat[slots[0, 0].long()], k.view(torch.uint8)[pages, pos % 16])
+
+
+def test_backends_registered_and_resolved():
+    for op in ("indexer_logits", "indexer_topk"):
+        names = {b.name for b in backends.backends(op)}
+        assert {"torch_fallback", "torch_capped", "triton"} <= names
+    tgt = backends.Target("cpu", None, interpreter=True)
+    assert backends.resolve("indexer_topk", "auto", target=tgt).name == "triton"
+    assert backends.resolve("indexer_topk", "auto",
+                            target=backends.Target("cpu", None, False)).name == "torch_capped"
+    with pytest.raises(backends.BackendUnavailable, match="nope"):
+        backends.resolve("indexer_topk", "nope")
+
+
+def _bad(**over):
+    q, k, ks, w, bt, ctx = make(B=2, S=1, ctx=[[10], [20]])
+    kw = dict(q=q, k_cache=k, k_scale=ks, weights=w, block_table=bt, context_lens=ctx)
+    extra = {n: over.pop(n) for n in ("max_context", "topk") if n in over}
+    kw.update(over)
+    return kw, extra
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(q=torch.randn(2, 4, 32)), "q"),
+    (dict(q=torch.randint(0, 3, (2, 1, 4, 32))), "q"),
+    (dict(k_cache=torch.randn(9, 16, 16).to(FP8)), "k_cache"),
+    (dict(k_cache=torch.randn(9, 16, 32).half()), "k_cache"),
+    (dict(k_scale=torch.rand(9, 8)), "k_scale"),
+    (dict(k_scale=torch.rand(9, 16).double()), "k_scale"),
+    (dict(weights=torch.randn(2, 1, 3)), "weights"),
+    (dict(weights=torch.randn(2, 1, 4).half()), "weights"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), "block_table"),
+    (dict(block_table=torch.zeros(3, 4, dtype=torch.int32)), "block_table"),
+    (dict(block_table=torch.full((2, 4), 99, dtype=torch.int32)), "block_table"),
+    (dict(context_lens=torch.zeros(2, 2, dtype=torch.int32)), "context_lens"),
+    (dict(context_lens=torch.zeros(2, 1, dtype=torch.int64)), "context_lens"),
+    (dict(context_lens=torch.tensor([[10], [65]], dtype=torch.int32)), "context_lens"),
+    (dict(context_lens=torch.tensor([[-1], [5]], dtype=torch.int32)), "context_lens"),
+    (dict(max_context=65), "max_context"),
+    (dict(max_context=0), "max_context"),
+    (dict(max_context=15), "context_lens"),           # 20 visible > L = 15
+    (dict(topk=0), "topk"),
+])
+def test_bad_inputs_name_the_argument(change, name):
+    kw, extra = _bad(**change)
+    kw = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=name):
+        indexer_topk(*kw.values(), backend="torch_capped", **extra)
+    if "topk" not in extra:
+        with pytest.raises(ValueError, match=name):
+            indexer_logits(*kw.values(), backend="triton", **extra)
+
+
+def test_bad_inputs_to_cache_slots():
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    idx = torch.zeros(2, 1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_size"):
+        to_cache_slots(idx, bt, 0)
+    with pytest.raises(ValueError, match="indices"):
+        to_cache_slots(idx.float(), bt, 16)
+    with pytest.raises(ValueError, match="indices"):
+        to_cache_slots(torch.full((2, 1, 4), 48, dtype=torch.int32), bt, 16)
+    with pytest.raises(ValueError, match="block_table"):
+        to_cache_slots(idx, bt[:1], 16)
+    with pytest.raises(ValueError, match="block_table"):
+        to_cache_slots(idx, bt.long(), 16)
+
+
+# ------------------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("q_dtype,k_dtype", DTYPES)
+@pytest.mark.parametrize("S", [1, 2])
+def test_gpu_full_shape_logits_and_topk(q_dtype, k_dtype, S):
+    """64 heads x 128 dims, pages of 64, rows shorter and longer than topk = 512."""
+    B, page, max_pages = 6, 64, 40
+    L = page * max_pages
+    ctx = torch.tensor([0, 1, 300, 512, 513, 2500, 1999, 2560, 777, 64, 4096 // 2, 100][: B * S])
+    args = make(B=B, S=S, H=64, D=128, page=page, max_pages=max_pages, ctx=ctx,
+                q_dtype=q_dtype, k_dtype=k_dtype, device="cuda", seed=S)
+    ref = reference_logits(*args, L)
+    tol = tol_for(q_dtype, k_dtype, "cuda")
+    own = indexer_logits(*args, backend="triton")
+    assert_logits_close(own, ref, tol)
+    idx = indexer_topk(*args, topk=512, backend="triton")
+    check_topk(idx, ref, args[5], 512, tol, own)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_fp8_byte_path_and_long_rows():
+    args = make(B=3, S=1, H=64, D=128, page=64, max_pages=300, ctx=[[19200], [513], [4000]],
+                q_dtype=FP8, k_dtype=FP8, device="cuda")
+    L = 64 * 300
+    ref = reference_logits(*args, L)
+    own = K.indexer_logits(*args, L, fp8_bytes=True)
+    assert_logits_close(own, ref, TOL_GPU[BF16])
+    check_topk(K.indexer_topk(*args, L, 512, fp8_bytes=True), ref, args[5], 512, TOL_GPU[BF16], own)
+    check_topk(K.indexer_topk(*args, L, 2048), ref, args[5], 2048, TOL_GPU[FP8])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_cuda_graph_replay_new_lengths_and_block_tables():
+    """Capture one decode-step indexer_topk (triton); replay with new context_lens and
+    block tables written into the same buffers; match eager results, no re-capture."""
+    B, H, D, page, max_pages, topk = 8, 64, 128, 64, 48, 512
+    L = page * max_pages
+    q, k, ks, w, bt, ctx = make(B=B, S=1, H=H, D=D, page=page, max_pages=max_pages,
+                                ctx=[[L]] * B, q_dtype=FP8, k_dtype=FP8, device="cuda",
+                                spare_pages=16)
+    P = k.shape[0]
+
+    def step():
+        return indexer_topk(q, k, ks, w, bt, ctx, topk=topk, backend="triton")
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    g = torch.Generator().manual_seed(1)
+    scenarios = [
+        torch.tensor([0, 1, 511, 512, 513, 3000, L, 64]),
+        torch.randint(0, L + 1, (B,), generator=g),
+        torch.tensor([L] * B),
+        torch.tensor([5] * B),
+    ]
+    for i, lens in enumerate(scenarios):
+        ctx.copy_(lens.reshape(B, 1).to(torch.int32))
+        bt.copy_(torch.randperm(P, generator=g)[: B * max_pages].reshape(B, max_pages)
+                 .to(torch.int32))
+        k.view(torch.uint8).copy_(torch.randint(0, 0x7F, k.shape, generator=g, dtype=torch.uint8))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        eager = step()
+        assert torch.equal(replayed, eager), f"scenario {i}: replay differs from eager"
+        ref = reference_logits(q, k, ks, w, bt, ctx, L)
+        check_topk(replayed, ref, ctx, topk, TOL_GPU[FP8])

@@ -1,0 +1,245 @@
+"""dsv4lab.model: the training forward, the decode forward through dsv4lab.ops, and their
+agreement.
+
+Tolerances: everything here runs in fp32. Decode vs training forward: |dlogits| <= 1e-4
+(the two paths sum in different orders; measured ~1e-6). Interpreter (Triton) backends vs
+torch backends: 2e-3 (the kernels accumulate in fp32 but in their own order, and the FP4
+MoE dequantises in-kernel). FP8 KV cache vs the fp32 cache: 0.25 on logits of a random
+model (e4m3 keeps ~2 significant digits of the 448 nope dims).
+"""
+import math
+
+import pytest
+import torch
+
+from dsv4lab.config import DSV4Config
+from dsv4lab.engine import Engine
+from dsv4lab.model import (DSV4, Block, HyperConnection, LayerCache, load_checkpoint, make_meta,
+                           save_checkpoint, sinkhorn, tiny_config)
+from dsv4lab import ops
+
+TORCH = {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"}
+TRITON = {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"}
+FP32_TOL = 1e-4
+KERNEL_TOL = 2e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny matmuls: one thread is ~100x faster than two on a busy 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(seed=0, fmt="mxfp4", **changes):
+    torch.manual_seed(seed)
+    m = DSV4(tiny_config(**changes)).eval()
+    if fmt != "bf16":
+        m.quantize_experts(fmt)
+    return m
+
+
+def _tables(eng, B):
+    raw = [eng.cache.alloc(eng.n_raw) for _ in range(B)]
+    comp = [eng.cache.alloc(eng.n_comp) for _ in range(B)]
+    return torch.tensor(raw, dtype=torch.int32), torch.tensor(comp, dtype=torch.int32)
+
+
+def _decode_chunks(m, eng, toks, chunks, backends):
+    """Feed ``toks`` [B, T] through forward_decode in chunks; return logits [B, T, V]."""
+    B, T = toks.shape
+    bt, cbt = _tables(eng, B)
+    out, p = [], 0
+    for S in chunks:
+        pos = torch.arange(p, p + S).expand(B, S)
+        meta = make_meta(m.cfg, pos, bt, cbt, eng.page_size, eng.ratios)
+        lg, _ = m.forward_decode(toks[:, p:p + S], meta, eng.cache.main, backends)
+        out.append(lg)
+        p += S
+    assert p == T
+    return torch.cat(out, 1)
+
+
+def test_sinkhorn_is_doubly_stochastic():
+    # 20 iterations (the model's setting) converge to ~1e-2 on rows for N(0, 1) logits;
+    # columns are normalised last, so they are exact up to eps
+    m = sinkhorn(torch.randn(5, 4, 4), iters=20)
+    assert torch.allclose(m.sum(-1), torch.ones(5, 4), atol=1e-2)
+    assert torch.allclose(m.sum(-2), torch.ones(5, 4), atol=1e-4)
+    assert (m > 0).all()
+
+
+def test_hyper_connection_starts_as_mean_and_identity():
+    hc = HyperConnection(4, 8, 20)
+    x = torch.randn(3, 1, 8).expand(3, 4, 8)               # equal streams
+    y, post, comb = hc.pre(x)
+    assert torch.allclose(y, x[:, 0], atol=0.05)           # pre ~ 1/n each: the mean
+    assert torch.allclose(comb.diagonal(dim1=-2, dim2=-1), torch.ones(3, 4), atol=0.25)
+
+
+def test_training_loss_and_gradients_reach_every_part():
+    m = _model(fmt="bf16").train()
+    batch = torch.randint(0, 256, (2, 34))
+    losses = m.loss(batch)
+    for k in ("main", "mtp", "indexer", "total"):
+        assert torch.isfinite(losses[k]), k
+    assert abs(losses["main"].item() - math.log(256)) < 1.0   # a fresh model is near uniform
+    losses["total"].backward()
+    missing = [n for n, p in m.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, missing
+
+
+def test_router_bias_update_moves_toward_equal_load():
+    m = _model(fmt="bf16").train()
+    m.loss(torch.randint(0, 256, (2, 34)))
+    moe = m.layers[1].moe                                  # not hash-routed
+    load = moe.load.float()
+    m.update_router_bias(rate=0.5)
+    assert torch.equal(torch.sign(moe.bias), torch.sign(load.mean() - load))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_decode_forward_matches_training_forward(fmt):
+    # index_topk >= visible entries: the selection keeps everything, so the two paths
+    # must agree exactly (selection ties are covered by the indexer test below)
+    m = _model(fmt=fmt, index_topk=16)
+    toks = torch.randint(0, 256, (2, 37))
+    with torch.no_grad():
+        ref, streams, _ = m.forward_train(toks)
+        eng = Engine(m, max_batch=2, max_len=64, page_size=8, backends=TORCH)
+        for chunks in ([37], [20, 1, 1, 3, 12], [1] * 5 + [32]):
+            lg = _decode_chunks(m, eng, toks, chunks, TORCH)
+            assert (lg - ref).abs().max().item() < FP32_TOL, chunks
+        # the MTP layer too (the cache now holds the whole sequence)
+        nxt = torch.roll(toks, -1, 1)
+        mref, _ = m.mtp_forward_train(streams, nxt)
+        bt, cbt = _tables(eng, 2)
+        pos = torch.arange(37).expand(2, 37)
+        _, h = m.forward_decode(toks, make_meta(m.cfg, pos, bt, cbt, 8, eng.ratios), eng.cache.main, TORCH)
+        ml, _ = m.mtp_forward_decode(h, nxt, make_meta(m.cfg, pos, bt, cbt, 8, [0]), eng.cache.mtp, TORCH)
+        assert (ml - mref).abs().max().item() < FP32_TOL
+
+
+def test_indexer_keys_in_cache_match_dense_indexer():
+    m = _model()
+    layer = m.layers[1]
+    assert layer.ratio == 4
+    B, T = 2, 29
+    toks = torch.randint(0, 256, (B, T))
+    eng = Engine(m, max_batch=B, max_len=64, page_size=4, backends=TORCH)
+    bt, cbt = _tables(eng, B)
+    pos = torch.arange(T).expand(B, T)
+    meta = make_meta(m.cfg, pos, bt, cbt, 4, eng.ratios)
+    with torch.no_grad():
+        m.forward_decode(toks, meta, eng.cache.main, TORCH)
+        # the layer's input, recomputed with the training path
+        x = m.embed(toks).unsqueeze(-2).expand(-1, -1, m.cfg.hc_mult, -1)
+        x, _ = m.layers[0].forward_train(x, toks)
+        y, _, _ = layer.hc_attn.pre(x)
+        y = layer.attn_norm(y)
+        att = layer.attn
+        qr = att.q_norm(att.wq_a(y))
+        dense = att.indexer.logits_train(y, qr, torch.arange(T))               # [B, T, T//4]
+        q, w = att.indexer.queries(y, qr, pos)
+        c = eng.cache.main[1]
+        got = ops.indexer_logits(q, c.idx_keys, c.idx_scale, w, cbt, meta.n_entries[4],
+                                 max_context=cbt.shape[1] * 4, backend="torch_fallback")
+    vis = (torch.arange(T // 4)[None, :] + 1) * 4 <= torch.arange(T)[:, None] + 1
+    assert torch.isneginf(got[:, :, :T // 4][:, ~vis]).all()
+    assert (got[:, :, :T // 4][:, vis] - dense[:, vis]).abs().max() < FP32_TOL
+    assert torch.isneginf(got[:, :, T // 4:]).all()
+
+
+@pytest.mark.parametrize("attn", ["mma", "simt"])
+def test_decode_with_triton_backends_in_interpreter(attn):
+    m = _model(seed=1)
+    toks = torch.randint(0, 256, (2, 13))
+    be = dict(TRITON, sparse_mla_decode=attn)
+    with torch.no_grad():
+        eng = Engine(m, max_batch=2, max_len=32, page_size=8, backends=TORCH)
+        ref = _decode_chunks(m, eng, toks, [11, 2], TORCH)
+        eng = Engine(m, max_batch=2, max_len=32, page_size=8, backends=be)
+        got = _decode_chunks(m, eng, toks, [11, 2], be)
+    assert (got - ref).abs().max().item() < KERNEL_TOL
+
+
+def test_quantised_experts_decode_equals_dequantised_training_path():
+    m = _model(fmt="bf16", index_topk=16)
+    toks = torch.randint(0, 256, (1, 17))
+    with torch.no_grad():
+        before, _, _ = m.forward_train(toks)
+        m.quantize_experts("mxfp4")
+        assert all(l.moe.fmt == "mxfp4" for l in m.layers) and m.mtp[0].block.moe.fmt == "mxfp4"
+        after, _, _ = m.forward_train(toks)                    # dequantised experts
+        eng = Engine(m, max_batch=1, max_len=32, page_size=8, backends=TORCH)
+        dec = _decode_chunks(m, eng, toks, [17], TORCH)        # ops.fused_moe on packed FP4
+    assert (dec - after).abs().max().item() < FP32_TOL
+    assert 0 < (after - before).abs().max().item() < 0.5     # FP4 changes the model, a little
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    m = _model()
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(m, path, metadata={"note": "test"})
+    m2 = load_checkpoint(path)
+    assert m2.cfg == m.cfg and m2.expert_format == "mxfp4"
+    toks = torch.randint(0, 256, (1, 21))
+    with torch.no_grad():
+        assert torch.equal(m.forward_train(toks)[0], m2.forward_train(toks)[0])
+    assert m2.checkpoint_metadata["note"] == "test"
+
+
+def test_fp8_kv_cache_needs_the_584_byte_geometry():
+    with pytest.raises(ValueError, match="head_dim 512"):
+        LayerCache.allocate(tiny_config(), 0, 4, 8, kv_format="fp8")
+    with pytest.raises(ValueError, match="kv_format"):
+        LayerCache.allocate(tiny_config(), 0, 4, 8, kv_format="int4")
+
+
+def test_fp8_kv_cache_decode_close_to_dense():
+    m = _model(head_dim=512, rope_dim=64, index_topk=16)
+    toks = torch.randint(0, 256, (2, 19))
+    with torch.no_grad():
+        ref, _, _ = m.forward_train(toks)
+        eng = Engine(m, max_batch=2, max_len=32, page_size=8, kv_format="fp8", backends=TORCH)
+        assert eng.cache.main[0].kv.dtype == torch.uint8 and eng.cache.main[0].kv.shape[-1] == 584
+        got = _decode_chunks(m, eng, toks, [16, 3], TORCH)
+    err = (got - ref).abs().max().item()
+    assert 0 < err < 0.25
+
+
+@pytest.mark.parametrize("layer_id", [0, 2, 3])
+def test_flash_size_layer_is_constructible(layer_id):
+    cfg = DSV4Config.flash()
+    with torch.device("meta"):
+        blk = Block(cfg, layer_id, expert_format="mxfp4")
+    assert blk.ratio == cfg.compress_ratios[layer_id]
+    assert blk.moe.w13.dtype == torch.uint8
+    assert tuple(blk.moe.w13.shape) == (256, 2 * 2048, 4096 // 2)
+    assert tuple(blk.moe.w2_scale.shape) == (256, 4096, 2048 // 32)
+    assert tuple(blk.attn.wo_a.shape) == (8, 1024, 8 * 512)
+    assert (blk.attn.indexer is not None) == (blk.ratio == 4)
+    assert blk.moe.hashed == (layer_id < 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_size_layer_decodes_on_gpu():
+    from dsv4lab.model import to_dtype
+    cfg = DSV4Config.flash()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        blk = to_dtype(Block(cfg, 3, expert_format="mxfp4"), torch.bfloat16)   # ratio 128
+    B, S, page = 2, 2, 64
+    cache = LayerCache.allocate(cfg, blk.ratio, 1 + B * 8, page, kv_format="fp8", device="cuda")
+    bt = torch.arange(1, 1 + B * 6, dtype=torch.int32, device="cuda").view(B, 6)
+    cbt = torch.arange(1 + B * 6, 1 + B * 8, dtype=torch.int32, device="cuda").view(B, 2)
+    pos = torch.tensor([[254, 255], [300, 301]], device="cuda")
+    meta = make_meta(cfg, pos, bt, cbt, page, [blk.ratio])
+    x = torch.randn(B, S, cfg.hc_mult, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    toks = torch.randint(0, cfg.vocab_size, (B, S), device="cuda")
+    with torch.no_grad():
+        y = blk.forward_decode(x, toks, meta, cache, {"sparse_mla_decode": "mma", "fused_moe": "triton"})
+    assert y.shape == x.shape and torch.isfinite(y.float()).all()

@@ -1,0 +1,92 @@
+"""dsv4lab.results: append-only JSONL with provenance, loading and labels."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4lab import results
+
+
+@pytest.fixture
+def rdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4LAB_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("DSV4LAB_COMMIT", "abc123")
+    return tmp_path
+
+
+def test_results_dir_honours_the_environment(rdir, monkeypatch):
+    assert results.results_dir() == rdir
+    monkeypatch.delenv("DSV4LAB_RESULTS_DIR")
+    assert results.results_dir() == results.REPO_ROOT / "data" / "results"
+
+
+def test_record_writes_provenance_and_shape(rdir):
+    path = results.record("toy", [{"B": 2, "topk": 512, "ms": 1.5}])
+    assert path == rdir / "toy.jsonl"
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    for key in results.PROVENANCE_KEYS:
+        assert key in row and row[key] not in (None, "")
+    assert row["commit"] == "abc123" and row["bench"] == "toy"
+    assert (row["B"], row["topk"], row["ms"]) == (2, 512, 1.5)
+    assert row["date"][:4].isdigit() and "T" in row["date"]
+
+
+def test_record_is_append_only(rdir):
+    results.record("toy", [{"i": 0}, {"i": 1}])
+    before = (rdir / "toy.jsonl").read_bytes()
+    results.record("toy", [{"i": 2}])
+    after = (rdir / "toy.jsonl").read_bytes()
+    assert after.startswith(before) and len(after) > len(before)
+    assert [r["i"] for r in results.load("toy")] == [0, 1, 2]
+
+
+def test_record_converts_tensors_and_tuples(rdir):
+    results.record("toy", [{"x": torch.tensor(2.5), "y": np.float32(1.25), "shape": (4, 8), "dev": torch.device("cpu")}])
+    (row,) = results.load("toy")
+    assert row["x"] == 2.5 and row["y"] == 1.25 and row["shape"] == [4, 8] and row["dev"] == "cpu"
+
+
+def test_load_filters_and_missing(rdir, tmp_path):
+    results.record("toy", [{"backend": "mma", "B": 1}, {"backend": "simt", "B": 1}, {"backend": "mma", "B": 64}])
+    assert len(results.load("toy")) == 3
+    assert [r["B"] for r in results.load("toy", backend="mma")] == [1, 64]
+    assert results.load("toy", backend="mma", B=64)[0]["B"] == 64
+    assert results.load("toy", backend="cutlass") == []
+    assert results.load("never_recorded") == []
+
+
+def test_explicit_directory(rdir, tmp_path):
+    other = tmp_path / "elsewhere"
+    results.record("toy", [{"a": 1}], directory=other)
+    assert results.load("toy") == []
+    assert results.load("toy", directory=other)[0]["a"] == 1
+
+
+def test_blank_lines_are_skipped(rdir):
+    results.record("toy", [{"a": 1}])
+    with (rdir / "toy.jsonl").open("a") as f:
+        f.write("\n\n")
+    results.record("toy", [{"a": 2}])
+    assert [r["a"] for r in results.load("toy")] == [1, 2]
+
+
+def test_latest_keeps_the_newest_per_key():
+    rows = [{"B": 1, "ms": 3.0}, {"B": 2, "ms": 5.0}, {"B": 1, "ms": 2.0}]
+    out = results.latest(rows, ["B"])
+    assert sorted((r["B"], r["ms"]) for r in out) == [(1, 2.0), (2, 5.0)]
+
+
+def test_label():
+    assert results.label([]) == "no recorded rows"
+    r = {"gpu": "NVIDIA H200", "capability": "sm_90", "date": "2026-11-29T10:00:00+00:00"}
+    assert results.label([r]) == "NVIDIA H200 (sm_90), 2026-11-29"
+    r2 = dict(r, date="2026-12-02T10:00:00+00:00")
+    assert results.label([r2, r]) == "NVIDIA H200 (sm_90), 2026-11-29 to 2026-12-02"
+
+
+def test_git_commit_env_wins(monkeypatch):
+    monkeypatch.setenv("DSV4LAB_COMMIT", "deadbeef")
+    assert results.git_commit() == "deadbeef"
+    monkeypatch.delenv("DSV4LAB_COMMIT")
+    assert isinstance(results.git_commit(), str) and results.git_commit()

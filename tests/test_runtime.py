@@ -1,0 +1,108 @@
+"""dsv4lab.runtime: device detection, the interpreter switch, capability checks."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv4lab import runtime
+
+NO_GPU = not torch.cuda.is_available()
+
+
+def _python(code: str, **env_changes) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_changes)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the interpreter is switched on only without a GPU")
+def test_import_sets_interpreter_before_triton():
+    out = _python("import os, dsv4lab, triton; print(os.environ['TRITON_INTERPRET'])")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="only an error without a GPU")
+def test_triton_imported_first_is_a_clear_error():
+    out = _python("import triton, dsv4lab")
+    assert out.returncode != 0
+    assert "TRITON_INTERPRET=1 before importing triton" in out.stderr
+
+
+def test_explicit_setting_is_respected():
+    out = _python("import os, dsv4lab; print(os.environ['TRITON_INTERPRET'])", TRITON_INTERPRET="0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+
+
+def test_is_interpreter_reads_the_variable(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert runtime.is_interpreter()
+    for off in ("0", ""):
+        monkeypatch.setenv("TRITON_INTERPRET", off)
+        assert not runtime.is_interpreter()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not runtime.is_interpreter()
+
+
+def test_configure_is_idempotent():
+    before = os.environ.get("TRITON_INTERPRET")
+    runtime.configure()
+    runtime.configure()
+    assert os.environ.get("TRITON_INTERPRET") == before
+
+
+def test_device_and_capability_agree_with_torch():
+    assert runtime.has_cuda() == torch.cuda.is_available()
+    assert runtime.device().type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if NO_GPU:
+        assert runtime.capability() is None
+        assert runtime.capability_str() == "cpu"
+        assert runtime.device_name().startswith("cpu")
+    else:
+        assert runtime.capability() == torch.cuda.get_device_capability()
+        assert runtime.capability_str().startswith("sm_")
+
+
+@pytest.mark.parametrize("cap, text", [((9, 0), "sm_90"), ((12, 0), "sm_120"), ((10, 3), "sm_103"), ((8, 6), "sm_86")])
+def test_capability_str(cap, text):
+    assert runtime.capability_str(cap) == text
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU message")
+def test_require_capability_without_gpu_names_what_is_needed():
+    with pytest.raises(runtime.CapabilityError, match=r"trtllm fp4 MoE needs a CUDA GPU with sm_100\.\.sm_103; this machine has no GPU"):
+        runtime.require_capability((10, 0), maximum=(10, 3), what="trtllm fp4 MoE")
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    monkeypatch.setattr(runtime, "capability", lambda: (9, 0))
+    monkeypatch.setattr(runtime, "device_name", lambda: "NVIDIA H200")
+
+
+def test_require_capability_names_the_gpu_it_is_on(fake_h200):
+    with pytest.raises(runtime.CapabilityError) as e:
+        runtime.require_capability((10, 0), maximum=(10, 3), what="trtllm fp4 MoE")
+    assert "needs sm_100..sm_103" in str(e.value)
+    assert "NVIDIA H200 (sm_90)" in str(e.value)
+    with pytest.raises(runtime.CapabilityError, match=r"needs sm_100\+"):
+        runtime.require_capability((10, 0))
+
+
+def test_require_capability_passes_and_returns(fake_h200):
+    assert runtime.require_capability((8, 0)) == (9, 0)
+    assert runtime.require_capability((9, 0), maximum=(9, 0)) == (9, 0)
+    with pytest.raises(runtime.CapabilityError, match="sm_80..sm_89"):
+        runtime.require_capability((8, 0), maximum=(8, 9))
+
+
+def test_versions_has_every_provenance_field():
+    v = runtime.versions()
+    for key in ("gpu", "capability", "torch", "triton", "cuda", "python", "interpreter"):
+        assert key in v
+    assert v["torch"] == torch.__version__
+    assert v["interpreter"] == runtime.is_interpreter()
+    assert v["triton"]
