@@ -217,7 +217,8 @@ class Engine:
     ``backends`` / ``draft_backends``: op name -> backend for the main model / the MTP
     layer ("sparse_mla_decode", "indexer_topk", "fused_moe"; missing = "auto").
     ``kv_format``: "bf16" (the model dtype) or "fp8" (584-byte rows; head_dim 512 only).
-    ``cuda_graphs``: capture each step (default: on a GPU).
+    ``cuda_graphs``: capture each step (default: on a GPU). ``dtype``: the model's float
+    dtype for decoding (default fp32).
     """
 
     def __init__(self, model: DSV4, *, max_batch: int = 8, max_len: int = 1024,
@@ -225,7 +226,10 @@ class Engine:
                  device=None, backends: dict | None = None, draft_backends: dict | None = None,
                  cuda_graphs: bool | None = None):
         self.device = torch.device(device) if device is not None else runtime.device()
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        # fp32 by default: the mini model is launch-bound, so fp32 costs ~nothing, and it
+        # keeps the S_q = 1 decode and the S_q = k + 1 verify numerically interchangeable
+        # (bf16 rounding differs with the GEMM shape and can flip near-tied argmaxes)
+        self.dtype = dtype or torch.float32
         self.model = to_dtype(model, self.dtype).to(self.device).eval()
         self.cfg = model.cfg
         self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size

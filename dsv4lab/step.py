@@ -85,7 +85,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from dsv4lab import backends, model as M, ops, quant, runtime
+from dsv4lab import anatomy, backends, model as M, ops, quant, runtime
 from dsv4lab.config import DSV4Config
 
 KINDS = (0, 4, 128)
@@ -487,14 +487,18 @@ class StepDriver:
     def run(self, state: StepState, mark: Callable = _nomark) -> dict:
         """One decode step: every layer kind on ``state.x``, then embedding and head.
 
-        Returns {ratio: output streams [B, 1, n, d], "logits": [B, 1, vocab] fp32}.
+        Returns {ratio: output streams [B, 1, n, d], "logits": [B, 1, vocab] fp32}, plus
+        {"attention r": the attention output [B, 1, H, D]} for each kind (the residual
+        streams dwarf one layer's attention term, so it is compared on its own).
         ``mark(layer, component)`` is called after each component.
         """
         be = state.step.backends()
         out = {}
         for r, blk in self.layers.items():
+            t: dict = {}
             out[r] = layer_forward(blk, state.x, state.tokens, state.metas[r], state.caches[r],
-                                   be, lambda c, r=r: mark(r, c))
+                                   be, lambda c, r=r: mark(r, c), taps=t)
+            out[f"attention {r}"] = t["attention"]
         if self.head is not None:
             # a real step embeds its tokens into the first layer and reads the last layer's
             # streams; here every layer reads state.x, so the head reads the last kind's output
@@ -519,10 +523,12 @@ class StepDriver:
             samples = []
             for _ in range(reps):
                 marks.begin()
-                self.run(state, marks)
+                outputs = self.run(state, marks)
                 samples.append(marks.segments())
-            return self._summarise(samples, "interpreter_wall" if runtime.is_interpreter() else "cpu_wall",
-                                   None)
+            res = self._summarise(samples, "interpreter_wall" if runtime.is_interpreter() else "cpu_wall",
+                                  None)
+            res["outputs"] = outputs
+            return res
         reps = reps or 10
         graph = state.step.capturable if graph is None else (graph and state.step.capturable)
         torch.cuda.synchronize()
@@ -637,6 +643,15 @@ class StepDriver:
         for c in COMPONENTS:
             row[f"ms_{c}"] = comp.get(c, 0.0)
         row["components_by_kind"] = {str(r): d for r, d in prof["kind_ms"].items()}
+        try:
+            an = anatomy.step_totals(anatomy.step_anatomy(
+                cfg, concurrency=state.batch, context=state.context, max_context=st.max_context,
+                weight_format="mxfp4", indexer="fallback" if st.indexer == "torch_fallback" else "triton"))
+            row.update(roofline_device=an["device"], roofline_step_ms=an["step_ms"],
+                       roofline_tokens_per_s=an["tokens_per_s"],
+                       roofline_fraction=an["step_ms"] / ex["step_ms"])
+        except ValueError:
+            pass
         for k in ("timing_note", "component_scale"):
             if k in prof:
                 row[k] = prof[k]
@@ -662,11 +677,12 @@ def _tile_into(dst: torch.Tensor, tile: torch.Tensor):
 # ======================================================================================
 
 def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCache,
-                  be: dict, mark: Callable = lambda c: None):
+                  be: dict, mark: Callable = lambda c: None, taps: dict | None = None):
     """``Block.forward_decode`` with a ``mark(component)`` after each component.
 
     The same sequence of calls as ``Block.forward_decode`` / ``Attention.forward_decode``
-    (tests check the outputs are identical); only the boundaries are new.
+    (tests check the outputs are identical); only the boundaries are new. ``taps``, when
+    given, receives the attention output ("attention") and the MoE output ("moe").
     """
     attn = blk.attn
     y, post, comb = blk.hc_attn.pre(x)
@@ -698,6 +714,8 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
         q.to(h.dtype), cache.kv, idx, d_v=attn.head_dim, softmax_scale=attn.scale,
         attn_sink=attn.attn_sink.float(), backend=be.get("sparse_mla_decode", "auto"))
     mark("attention")
+    if taps is not None:
+        taps["attention"] = o
     a = attn._out(o.to(h.dtype), pos)
     mark("out_proj")
     x = M.HyperConnection.post(a, x, post, comb)
@@ -706,6 +724,8 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
     B, S, d = y.shape
     m = blk.moe.forward_decode(blk.ffn_norm(y).reshape(B * S, d), tokens.reshape(-1), be)
     mark("moe")
+    if taps is not None:
+        taps["moe"] = m
     x = M.HyperConnection.post(m.view(B, S, d), x, post, comb)
     mark("mhc")
     return x

@@ -1,0 +1,139 @@
+"""``dsv4lab bench step``: the decode step at real scale, before and after, per component.
+
+Full mode (a GPU): three real-size DeepSeek-V4-Flash layers (ratio 0, 4, 128) + head,
+one CUDA graph per configuration with timing events between components
+(:mod:`dsv4lab.step`), tokens/s extrapolated to the 43-layer model. The grid, in the order
+it runs (a time budget, 130 s by default or ``$DSV4LAB_STEP_BUDGET_S``, skips what is
+left and says so, because a killed benchmark records nothing):
+
+1. the targets at concurrency 64, 512-token contexts: "before" (1M max context), the
+   indexer fix alone ("indexer_triton"), the campaign's cap ("cap_8k"), "after" at max
+   context 8,192 / 131,072 / 1,048,576;
+2. "before" and "after" at concurrency 1, 8, 32, 128 (512-token contexts);
+3. the other single changes and the ablations of "after" at concurrency 64;
+4. 131,072-token contexts: "after" at every concurrency, "before" at 1, 8, 64, 128;
+5. the rest ("moe_torch": timed eagerly, it cannot be captured; more ablations).
+
+Smoke mode: the same driver on ``DSV4Config.mini()`` in Triton's interpreter ("before"
+and "after", batch 2, 40-token contexts): seconds, and the timings are interpreter wall
+times.
+
+Explained in notebooks/06_decode_step_at_scale.ipynb.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import torch
+
+from dsv4lab import runtime
+from dsv4lab import step as S
+from dsv4lab.bench import benchmark
+from dsv4lab.config import DSV4Config
+
+CONCURRENCIES = (1, 8, 32, 64, 128)
+CONTEXTS = (512, 131072)
+MAX_CONTEXTS = (8192, 131072, 1048576)
+DEFAULT_BUDGET_S = 130.0
+
+# (preset, concurrency, context, max_context or None = the preset's)
+TARGET_GRID = [
+    ("before", 64, 512, None),
+    ("indexer_triton", 64, 512, None),
+    ("after", 64, 512, 8192),
+    ("after", 64, 512, 131072),
+    ("after", 64, 512, None),
+    ("cap_8k", 64, 512, None),
+]
+FULL_GRID = (
+    TARGET_GRID
+    + [(p, c, 512, None) for c in (1, 8, 32, 128) for p in ("after", "before")]
+    + [("mma", 64, 512, None), ("indexer_fp8", 64, 512, None),
+       ("after_kv_bf16", 64, 512, None), ("after_simt", 64, 512, None)]
+    + [("after", c, 131072, None) for c in CONCURRENCIES]
+    + [("before", c, 131072, None) for c in (1, 8, 64, 128)]
+    + [("moe_torch", 64, 512, None), ("indexer_triton", 64, 131072, None),
+       ("after_simt", 8, 512, None), ("after_kv_bf16", 8, 512, None),
+       ("after_simt", 128, 512, None), ("after_kv_bf16", 128, 512, None),
+       ("before", 32, 131072, None)]
+)
+# what notebook 06 runs live on a GPU (a few minutes at most)
+NOTEBOOK_GRID = TARGET_GRID + [(p, c, 512, None) for c in (1, 8, 128) for p in ("after", "before")] \
+    + [("mma", 64, 512, None)]
+SMOKE_GRID = [("before", 2, 40, None), ("after", 2, 40, None)]
+
+
+def measure(grid, *, cfg: DSV4Config | None = None, budget_s: float | None = None,
+            reps: int | None = None, verbose: bool = True) -> list[dict]:
+    """Run ``grid`` (tuples as above) on one :class:`~dsv4lab.step.StepDriver`; rows out.
+
+    Stops starting new configurations once ``budget_s`` is nearly spent (reports the rest
+    as skipped on stdout).
+    """
+    t0 = time.perf_counter()
+    cfg = cfg or (DSV4Config.flash() if runtime.has_cuda() else DSV4Config.mini())
+    budget = float(budget_s if budget_s is not None else os.environ.get("DSV4LAB_STEP_BUDGET_S", DEFAULT_BUDGET_S))
+    driver = S.StepDriver(cfg)
+    if verbose:
+        print(f"step: {cfg.name} layers {dict(driver.layer_ids)} (ratio: layer id), page {driver.page_size}, "
+              f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows, skipped, last = [], [], 0.0
+    for item in grid:
+        name, conc, ctx, max_ctx = item
+        elapsed = time.perf_counter() - t0
+        if elapsed + 1.5 * last > budget:
+            skipped.append(item)
+            continue
+        t1 = time.perf_counter()
+        sc = S.preset(name, cfg)
+        if max_ctx is not None:
+            sc = sc.replace(max_context=max_ctx)
+        try:
+            state = driver.prepare(sc, batch=conc, context=ctx)
+            prof = driver.profile(state, reps=reps)
+            row = driver.row(state, prof)
+        except Exception as e:  # one failing configuration must not lose the others
+            row = {"preset": name, "concurrency": conc, "context": ctx,
+                   "max_context": sc.for_model(cfg).max_context, "model": cfg.name,
+                   "error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            state = prof = None
+            gc.collect()
+            if runtime.has_cuda():
+                torch.cuda.empty_cache()
+        row["wall_s"] = time.perf_counter() - t1
+        last = row["wall_s"]
+        rows.append(row)
+        if verbose:
+            print(format_row(row), flush=True)
+    if verbose:
+        for item in skipped:
+            print(f"  skipped (time budget {budget:.0f} s): {item}")
+        for t in S.targets(rows):
+            print(f"  target: {t['target']}: {t['before_tok_s']:.1f} -> {t['after_tok_s']:.1f} tok/s = "
+                  f"{t['value']:.3g} (goal {t['goal']}){'' if t['met'] is None else (' MET' if t['met'] else ' NOT MET')}")
+        print(f"step: {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    """One line: configuration, step time, tokens/s, component shares."""
+    head = (f"{row['preset']:15s} c{row['concurrency']:<4d} ctx {row['context']:>7,} "
+            f"max {row['max_context']:>9,}")
+    if "error" in row:
+        return f"{head}  ERROR {row['error'][:160]}"
+    tot = row["step_ms"]
+    shares = " ".join(f"{g[:5]} {100 * sum(row[f'ms_{c}'] for c in comps) / tot:4.1f}%"
+                      for g, comps in S.GROUPS.items())
+    return (f"{head}  step {tot:9.2f} ms  {row['tokens_per_s']:10.1f} tok/s  {shares}  "
+            f"[{row['timing']}, {row['wall_s']:.1f}s]")
+
+
+@benchmark("step", "decode step at real scale: before/after per component, tokens/s (43 layers)")
+def step_bench(smoke: bool) -> list[dict]:
+    """The decode-step grid (module docstring); smoke: the mini driver in the interpreter."""
+    if smoke or not runtime.has_cuda():
+        return measure(SMOKE_GRID, cfg=DSV4Config.mini(), budget_s=600)
+    return measure(FULL_GRID)

@@ -1,0 +1,233 @@
+"""The decode-step driver (dsv4lab.step): mini size in the interpreter, real size on a GPU.
+
+Tolerances (relative L2 error, documented in dsv4lab.step): presets with bf16 KV on both
+sides agree within ``TOL_SAME_KV`` (2e-2: bf16 roundings of the attention output, fp32
+vs bf16 indexer keys cannot change the selection while every entry is visible); the FP8
+KV cache (real size only) within ``TOL_FP8_KV`` (6e-2: e4m3 latent values).
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import dsv4lab  # noqa: F401  (interpreter switch before triton)
+from dsv4lab import model as M
+from dsv4lab import step as S
+from dsv4lab.backends import BackendUnavailable
+from dsv4lab.config import DSV4Config
+
+MINI = DSV4Config.mini()
+BATCH, CONTEXT = 2, 40          # 40 tokens: 10 c4 entries < index_topk 16, all visible
+TORCH_REF = S.StepConfig(name="torch", attention="torch", indexer="torch_fallback",
+                         indexer_dtype="fp32", kv_cache="bf16", moe="torch")
+
+
+@pytest.fixture(scope="module")
+def driver():
+    return S.StepDriver(MINI, seed=0)
+
+
+@pytest.fixture(scope="module")
+def runs(driver):
+    """Every preset once (one profiled step each, in the interpreter)."""
+    out = {}
+    for name in S.PRESET_NAMES:
+        state = driver.prepare(S.preset(name, MINI), batch=BATCH, context=CONTEXT)
+        prof = driver.profile(state)
+        out[name] = (state, prof, driver.row(state, prof))
+    return out
+
+
+# ---------------------------------------------------------------- presets -------------
+CONFIG_FIELDS = ("attention", "indexer", "indexer_dtype", "kv_cache", "moe", "max_context")
+
+
+def _diff(a: S.StepConfig, b: S.StepConfig) -> set:
+    return {f for f in CONFIG_FIELDS if getattr(a, f) != getattr(b, f)}
+
+
+def test_presets_change_one_thing_at_a_time():
+    cfg = DSV4Config.flash()
+    before, after = S.preset("before", cfg), S.preset("after", cfg)
+    assert before.max_context == after.max_context == 1048576
+    assert (before.attention, before.indexer, before.indexer_dtype, before.kv_cache) == \
+        ("simt", "torch_fallback", "fp32", "bf16")
+    assert (after.attention, after.indexer, after.indexer_dtype, after.kv_cache, after.moe) == \
+        ("mma", "triton", "fp8", "fp8", "triton")
+    for name in S.SINGLE_CHANGES:
+        p = S.preset(name, cfg)
+        assert len(_diff(p, before)) == 1, (name, _diff(p, before))
+        assert p.change
+    for name in S.ABLATIONS:
+        assert _diff(S.preset(name, cfg), after)
+    assert S.preset("cap_8k", cfg).max_context == 8192
+    assert not S.preset("moe_torch", cfg).capturable and S.preset("after", cfg).capturable
+
+
+def test_mini_adapts_fp8_kv_and_says_so():
+    p = S.preset("after", MINI)
+    assert p.kv_cache == "bf16" and "FP8 KV" in p.note
+    assert S.preset("after", DSV4Config.flash()).kv_cache == "fp8"
+
+
+def test_bad_configs_fail_early(driver):
+    with pytest.raises(ValueError, match="max_context"):
+        driver.prepare(S.preset("cap_8k", MINI), batch=1, context=S.cap_context(MINI) + 1)
+    with pytest.raises(ValueError, match="indexer_dtype"):
+        driver.prepare(S.StepConfig(indexer_dtype="fp16"), batch=1, context=8)
+    with pytest.raises(ValueError, match="batch"):
+        driver.prepare(S.preset("before", MINI), batch=0, context=8)
+    with pytest.raises(ValueError, match="context"):
+        driver.prepare(S.preset("before", MINI), batch=1, context=0)
+    with pytest.raises(BackendUnavailable, match="unknown backend"):
+        driver.prepare(S.StepConfig(attention="flashmla"), batch=1, context=8)
+    with pytest.raises(ValueError, match="unknown preset"):
+        S.preset("fastest")
+
+
+# ---------------------------------------------------------------- every preset runs ---
+@pytest.mark.parametrize("name", S.PRESET_NAMES)
+def test_every_preset_runs_and_components_sum(runs, name):
+    state, prof, row = runs[name]
+    assert prof["timing"] == "interpreter_wall"
+    for k, v in prof["outputs"].items():
+        assert torch.isfinite(v.float()).all(), (name, k)
+    # the components partition the step: per kind, over the step, and after extrapolation
+    measured = sum(sum(d.values()) for d in prof["kind_ms"].values()) + sum(prof["head_ms"].values())
+    assert math.isclose(measured, prof["measured_ms"], rel_tol=1e-9)
+    assert math.isclose(sum(row[f"ms_{c}"] for c in S.COMPONENTS), row["step_ms"], rel_tol=1e-9)
+    assert math.isclose(row["tokens_per_s"], BATCH * 1e3 / row["step_ms"], rel_tol=1e-12)
+    assert all(row[f"ms_{c}"] >= 0 for c in S.COMPONENTS)
+    # components a kind does not have are never marked
+    assert prof["kind_ms"][0]["compressor"] == prof["kind_ms"][0]["indexer"] == 0.0
+    assert prof["kind_ms"][128]["indexer"] == 0.0
+    assert prof["kind_ms"][4]["indexer"] > 0 and prof["kind_ms"][4]["attention"] > 0
+    assert row["max_context"] == (S.cap_context(MINI) if name == "cap_8k" else MINI.max_position_embeddings)
+
+
+def test_presets_agree_numerically(runs):
+    ref = runs["before"][1]["outputs"]
+    for name in S.PRESET_NAMES:
+        err = S.compare_outputs(runs[name][1]["outputs"], ref)
+        assert set(err) == {0, 4, 128, "attention 0", "attention 4", "attention 128", "logits"}
+        assert max(err.values()) <= S.TOL_SAME_KV, (name, err)
+
+
+def test_attention_differs_when_the_cache_differs(driver, runs):
+    """The comparison can fail: other cache values give other attention outputs."""
+    state = driver.prepare(S.preset("before", MINI), batch=BATCH, context=CONTEXT, seed=7)
+    other = driver.run(state)
+    err = S.compare_outputs(other, runs["before"][1]["outputs"])
+    assert err["attention 4"] > 10 * S.TOL_SAME_KV
+
+
+# ---------------------------------------------------------------- the composed layer --
+def _clone_cache(c: M.LayerCache) -> M.LayerCache:
+    return M.LayerCache(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                           for k, v in vars(c).items()})
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.integers(1, 3), context=st.sampled_from([1, 3, 4, 17, 64, 127, 128, 129, 300]))
+def test_layer_forward_is_block_forward_decode(driver, batch, context):
+    """The component-marked layer computes exactly what Block.forward_decode computes."""
+    state = driver.prepare(TORCH_REF, batch=batch, context=context)
+    be = state.step.backends()
+    for r, blk in driver.layers.items():
+        c1, c2 = _clone_cache(state.caches[r]), _clone_cache(state.caches[r])
+        marks = []
+        with torch.no_grad():
+            want = blk.forward_decode(state.x, state.tokens, state.metas[r], c1, be)
+            got = S.layer_forward(blk, state.x, state.tokens, state.metas[r], c2, be, marks.append)
+        assert torch.equal(got, want), (r, batch, context)
+        assert torch.equal(c1.kv, c2.kv)
+        expect = ["mhc", "qkv"] + (["compressor"] if r else []) + (["indexer"] if r == 4 else []) \
+            + ["attention", "out_proj", "mhc", "moe", "mhc"]
+        assert marks == expect
+
+
+def test_cache_pages_follow_context_tables_follow_max_context(driver):
+    a = driver.prepare(S.preset("before", MINI), batch=3, context=CONTEXT)
+    b = driver.prepare(S.preset("cap_8k", MINI), batch=3, context=CONTEXT)
+    page = driver.page_size
+    for r in driver.layers:
+        assert a.pages[r] == b.pages[r]                       # storage: actual context only
+    assert a.metas[4].cblock_table.shape[1] * page == MINI.max_position_embeddings // 4
+    assert b.metas[4].cblock_table.shape[1] * page == S.cap_context(MINI) // 4
+    assert a.metas[128].all_entries[128].shape[-1] == MINI.max_position_embeddings // 128
+    assert a.pages[4] < a.metas[4].cblock_table.numel()       # far fewer pages than the table spans
+
+
+# ---------------------------------------------------------------- extrapolation -------
+def test_flash_layer_kinds_and_measured_layers():
+    cfg = DSV4Config.flash()
+    assert S.layer_counts(cfg) == {0: 2, 4: 21, 128: 20}       # config.json compress_ratios
+    ids = S.representative_layers(cfg)
+    assert [cfg.compress_ratios[i] for i in ids.values()] == list(ids.keys())
+    assert ids[4] >= cfg.n_hash_layers and ids[128] >= cfg.n_hash_layers
+
+
+@settings(max_examples=20, deadline=None)
+@given(t0=st.floats(0.01, 50), t4=st.floats(0.01, 50), t128=st.floats(0.01, 50),
+       head=st.floats(0, 5), conc=st.integers(1, 256))
+def test_extrapolation_arithmetic(t0, t4, t128, head, conc):
+    cfg = DSV4Config.flash()
+    ex = S.extrapolate({0: t0, 4: t4, 128: t128}, head, cfg, conc)
+    want = 2 * t0 + 21 * t4 + 20 * t128 + head
+    assert math.isclose(ex["step_ms"], want, rel_tol=1e-12)
+    assert math.isclose(ex["tokens_per_s"], conc * 1e3 / want, rel_tol=1e-12)
+    assert ex["model_layers"] == 43 and sum(ex["layer_counts"].values()) == 43
+
+
+def test_extrapolation_needs_every_kind():
+    with pytest.raises(ValueError, match="128"):
+        S.extrapolate({0: 1.0, 4: 1.0}, 0.0, DSV4Config.flash(), 1)
+
+
+def test_targets_from_rows():
+    base = dict(concurrency=64, context=512)
+    rows = [dict(preset="before", max_context=1048576, tokens_per_s=30.0, **base),
+            dict(preset="indexer_triton", max_context=1048576, tokens_per_s=450.0, **base),
+            dict(preset="after", max_context=8192, tokens_per_s=600.0, **base),
+            dict(preset="after", max_context=131072, tokens_per_s=590.0, **base),
+            dict(preset="after", max_context=1048576, tokens_per_s=540.0, **base)]
+    t = {x["target"].split(" (")[0]: x for x in S.targets(rows)}
+    assert math.isclose(t["indexer_triton alone vs before"]["value"], 15.0) and t["indexer_triton alone vs before"]["met"]
+    assert t["after: max context 8,192 -> 131,072"]["met"]
+    assert not t["after: max context 8,192 -> 1,048,576"]["met"]
+    assert S.targets([]) == []
+
+
+def test_smoke_benchmark_rows():
+    from dsv4lab.benchmarks import step as B
+    rows = B.measure(B.SMOKE_GRID[:1], cfg=MINI, verbose=False)
+    assert len(rows) == 1 and "error" not in rows[0], rows
+    assert rows[0]["preset"] == "before" and rows[0]["tokens_per_s"] > 0
+    assert B.format_row(rows[0]).startswith("before")
+
+
+# ---------------------------------------------------------------- real size (GPU) -----
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_size_layers_small_batch():
+    cfg = DSV4Config.flash()
+    drv = S.StepDriver(cfg)
+    assert drv.layers[4].moe.fmt == "mxfp4" and drv.layers[4].moe.w13.shape == (256, 4096, 2048)
+    outs, rows = {}, {}
+    for name in ("before", "after_kv_bf16", "after"):
+        sc = S.preset(name, cfg).replace(max_context=8192)
+        state = drv.prepare(sc, batch=2, context=512)      # 128 c4 entries < top-512: all kept
+        prof = drv.profile(state, reps=2)
+        outs[name] = drv.run(state)
+        rows[name] = drv.row(state, prof)
+        for k, v in outs[name].items():
+            assert torch.isfinite(v.float()).all(), (name, k)
+        r = rows[name]
+        assert math.isclose(sum(r[f"ms_{c}"] for c in S.COMPONENTS), r["step_ms"], rel_tol=1e-9)
+        assert r["timing"] in ("cuda_graph_events", "eager_event_shares_x_cuda_graph"), r
+        assert r["step_ms"] > 0
+    same = S.compare_outputs(outs["after_kv_bf16"], outs["before"])
+    assert max(same.values()) <= S.TOL_SAME_KV, same
+    fp8 = S.compare_outputs(outs["after"], outs["before"])
+    assert max(fp8.values()) <= S.TOL_FP8_KV, fp8
