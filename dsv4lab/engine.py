@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4lab import backends as B
 from dsv4lab import runtime
-from dsv4lab.model import DSV4, LayerCache, make_meta, to_dtype
+from dsv4lab.model import DSV4, OPS, LayerCache, make_meta, to_dtype
 
 
 class PagedKVCache:
@@ -117,6 +118,7 @@ class _Runner:
         self.n_out = torch.zeros(B, dtype=torch.long, device=dev)
         self.max_new = torch.zeros(B, dtype=torch.long, device=dev)
         self.hist = torch.zeros(k + 1, dtype=torch.long, device=dev)
+        self.n_steps = torch.zeros((), dtype=torch.long, device=dev)   # steps with work to do
         self.graph = None
         self.graph_error = None
 
@@ -154,6 +156,7 @@ class _Runner:
     def step(self):
         e = self.eng
         active = self.n_out < self.max_new
+        self.n_steps += active.any().long()
         if self.k == 0:
             toks = self.cur_tok.unsqueeze(1)
             pos = self.cur_pos.unsqueeze(1)
@@ -218,13 +221,15 @@ class Engine:
     layer ("sparse_mla_decode", "indexer_topk", "fused_moe"; missing = "auto").
     ``kv_format``: "bf16" (the model dtype) or "fp8" (584-byte rows; head_dim 512 only).
     ``cuda_graphs``: capture each step (default: on a GPU). ``dtype``: the model's float
-    dtype for decoding (default fp32).
+    dtype for decoding (default fp32). ``cpu_threads``: torch intra-op threads while
+    generating on the CPU (default 1: decode-sized ops only pay for thread hand-offs;
+    restored afterwards; None leaves torch's setting alone).
     """
 
     def __init__(self, model: DSV4, *, max_batch: int = 8, max_len: int = 1024,
                  page_size: int = 16, kv_format: str = "bf16", dtype: torch.dtype | None = None,
                  device=None, backends: dict | None = None, draft_backends: dict | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, cpu_threads: int | None = 1):
         self.device = torch.device(device) if device is not None else runtime.device()
         # fp32 by default: the mini model is launch-bound, so fp32 costs ~nothing, and it
         # keeps the S_q = 1 decode and the S_q = k + 1 verify numerically interchangeable
@@ -235,6 +240,7 @@ class Engine:
         self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
         self.backends = dict(backends or {})
         self.draft_backends = dict(draft_backends if draft_backends is not None else self.backends)
+        self.moe_plans = self._resolve_backends(model, kv_format)
         self.ratios = [b.ratio for b in model.layers]
         self.mtp_ratio = model.mtp[0].block.ratio if len(model.mtp) else 0
         pos_ratios = [r for r in self.ratios + [self.mtp_ratio] if r]
@@ -247,9 +253,36 @@ class Engine:
         self.cache = PagedKVCache(model, 1 + max_batch * (self.n_raw + self.n_comp), page_size,
                                   kv_format=kv_format, dtype=self.dtype, device=self.device)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.cpu_threads = cpu_threads
         self._runners: dict = {}
 
     # -------------------------------------------------------------------------------
+    def _resolve_backends(self, model: DSV4, kv_format: str) -> dict:
+        """Resolve every op's backend now (BackendUnavailable here, before any kernel).
+
+        The routed experts' format comes from the model (as from checkpoint metadata) and
+        goes through :func:`dsv4lab.backends.resolve_moe_backend` for the main model and the
+        draft alike.
+        """
+        target = B.Target.current(self.device)
+        plans = {}
+        for role, table in (("main", self.backends), ("draft", self.draft_backends)):
+            unknown = set(table) - set(OPS)
+            if unknown:
+                raise ValueError(f"backends: unknown op(s) {sorted(unknown)}; ops are {list(OPS)}")
+            fmt = "fp8" if kv_format == "fp8" else "dense"
+            table["sparse_mla_decode"] = B.resolve("sparse_mla_decode", table.get("sparse_mla_decode", "auto"),
+                                                   fmt=fmt, target=target).name
+            table["indexer_topk"] = B.resolve("indexer_topk", table.get("indexer_topk", "auto"),
+                                              target=target).name
+            if model.expert_format != "bf16":
+                plan = B.resolve_moe_backend(role, metadata={"expert_format": model.expert_format},
+                                             moe_runner_backend=table.get("fused_moe", "auto"),
+                                             target=target)
+                table["fused_moe"] = plan.backend.name
+                plans[role] = plan
+        return plans
+
     def _runner(self, B: int, k: int) -> _Runner:
         key = (B, k)
         if key not in self._runners:
@@ -278,6 +311,7 @@ class Engine:
         r.n_out.fill_(1)
         r.max_new.fill_(max_new)
         r.hist.zero_()
+        r.n_steps.zero_()
         r.cur_tok.copy_(first)
         r.cur_pos.copy_(lens)
         if r.k:
@@ -291,6 +325,15 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int, *, num_draft: int = 0,
                  progress: bool | None = None, sync_every: int = 16) -> Generation:
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu" and self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            return self._generate(prompts, max_new_tokens, num_draft, progress, sync_every)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _generate(self, prompts, max_new_tokens, num_draft, progress, sync_every) -> Generation:
         """Greedy continuation of each prompt (lists of token ids, or bytes/str for the
         byte-level mini model) by ``max_new_tokens`` tokens; ``num_draft`` MTP drafts per
         step (0 = plain decoding)."""
@@ -331,13 +374,13 @@ class Engine:
             if show:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=B * max_new_tokens, desc=f"generate (k={num_draft})", leave=False)
-            steps, done = 0, False
-            limit = max_new_tokens  # at least one token per step
-            while not done and steps < limit:
-                n = min(sync_every, limit - steps)
+            launched, done = 0, False
+            limit = max_new_tokens - 1  # the prefill made one; every step makes >= 1 more
+            while not done and launched < limit:
+                n = min(sync_every, limit - launched)
                 for _ in range(n):
                     r.run_step()
-                steps += n
+                launched += n
                 n_out = r.n_out.clamp_max(max_new_tokens)
                 made = int(n_out.sum())
                 done = made >= B * max_new_tokens
@@ -350,6 +393,7 @@ class Engine:
                 bar.close()
             out = r.out[:, :max_new_tokens].tolist()
             hist = r.hist.tolist()
+            steps = int(r.n_steps)
         finally:
             self.cache.release(pages)
         notes = [f"CUDA graph capture failed, ran eagerly: {r.graph_error}"] if r.graph_error else []

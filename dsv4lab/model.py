@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -105,18 +105,33 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def _cos_sin(pos: torch.Tensor, rope_dim: int, theta: float, memo: dict | None = None):
+    key = (id(pos), rope_dim, theta)
+    if memo is not None and key in memo:
+        return memo[key][1:]
+    half = rope_dim // 2
+    inv_freq = theta ** (-torch.arange(half, device=pos.device, dtype=torch.float32) / half)
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq
+    cs = (ang.cos(), ang.sin())
+    if memo is not None:
+        memo[key] = (pos,) + cs          # keep pos alive: its id stays unique
+    return cs
+
+
 def rope_tail(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float,
-              inverse: bool = False) -> torch.Tensor:
+              inverse: bool = False, heads: bool = False, memo: dict | None = None) -> torch.Tensor:
     """Rotate the last ``rope_dim`` dims of ``x`` (half-split pairs) by position ``pos``.
 
-    ``pos`` broadcasts against ``x.shape[:-1]``. ``inverse`` rotates by ``-pos``.
+    ``pos`` has ``x``'s leading shape (``heads``: all but the head dimension, the one
+    before last). ``inverse`` rotates by ``-pos``. ``memo`` (a dict living for one
+    forward) shares cos/sin between the layers.
     """
-    half = rope_dim // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq
-    cos, sin = ang.cos(), ang.sin()
+    cos, sin = _cos_sin(pos, rope_dim, theta, memo)
+    if heads:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
         sin = -sin
+    half = rope_dim // 2
     nope, r = x[..., :-rope_dim], x[..., -rope_dim:].float()
     r1, r2 = r[..., :half], r[..., half:]
     rot = torch.cat([r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
@@ -135,11 +150,11 @@ def swiglu(h13: torch.Tensor, limit: float | None) -> torch.Tensor:
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float = 1e-6) -> torch.Tensor:
     """[.., n, n] logits -> a (nearly) doubly stochastic matrix: softmax, then alternate
     column and row normalisation."""
-    m = logits.softmax(-1) + eps
-    m = m / (m.sum(-2, keepdim=True) + eps)
+    m = logits.softmax(-1) + eps          # every entry >= eps: the sums below are > 0
+    m = m / m.sum(-2, keepdim=True)
     for _ in range(iters - 1):
-        m = m / (m.sum(-1, keepdim=True) + eps)
-        m = m / (m.sum(-2, keepdim=True) + eps)
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
     return m
 
 
@@ -291,6 +306,7 @@ class DecodeMeta:
     entry_slot: dict
     n_entries: dict
     all_entries: dict
+    memo: dict = field(default_factory=dict)     # per-forward cache (RoPE cos/sin)
 
 
 def _pos_to_slot(pos: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
@@ -360,12 +376,12 @@ class Compressor(nn.Module):
         """Per-token state: (kv, gate), each [.., out_dim]."""
         return self.wkv(x), self.wgate(x)
 
-    def pool(self, kv, gate, first_pos):
+    def pool(self, kv, gate, first_pos, memo=None):
         """kv, gate [.., r, out] (the block's tokens in order) -> entry [.., out], RoPE'd at
         ``first_pos`` (the block's first position)."""
         w = (gate.float() + self.ape.float()).softmax(dim=-2)
         e = self.norm((w * kv.float()).sum(-2).to(kv.dtype))
-        return rope_tail(e, first_pos, self.rope_dim, self.theta)
+        return rope_tail(e, first_pos, self.rope_dim, self.theta, memo=memo)
 
     def forward_train(self, x):
         """x [B, T, d] -> entries [B, T // r, out] of the complete blocks."""
@@ -373,8 +389,8 @@ class Compressor(nn.Module):
         r = self.ratio
         n = T // r
         kv, gate = self.project(x[:, :n * r])
-        kv = kv.view(B, n, r, -1)
-        gate = gate.view(B, n, r, -1)
+        kv = kv.view(B, n, r, kv.shape[-1])
+        gate = gate.view(B, n, r, gate.shape[-1])
         first = torch.arange(n, device=x.device) * r
         return self.pool(kv, gate, first)
 
@@ -393,10 +409,10 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, self.rope_dim,
                                      cfg.rope_theta, cfg.rms_norm_eps)
 
-    def queries(self, x, qr, pos):
+    def queries(self, x, qr, pos, memo=None):
         """-> q [.., Hi, Di], weights [.., Hi] fp32 (with both softmax scales folded in)."""
         q = self.wq(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rope_tail(q, pos.unsqueeze(-1), self.rope_dim, self.theta)
+        q = rope_tail(q, pos, self.rope_dim, self.theta, heads=True, memo=memo)
         w = self.wweights(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         return q, w
 
@@ -433,17 +449,18 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg) if self.ratio == 4 else None
 
     # ---- pieces shared by both forwards ------------------------------------------------
-    def _qkv(self, x, pos):
+    def _qkv(self, x, pos, memo=None):
         cfg = self.cfg
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = rope_tail(rms_norm(q, None, cfg.rms_norm_eps), pos.unsqueeze(-1), self.rope_dim, cfg.rope_theta)
-        kv = rope_tail(self.kv_norm(self.wkv(x)), pos, self.rope_dim, cfg.rope_theta)
+        q = rope_tail(rms_norm(q, None, cfg.rms_norm_eps), pos, self.rope_dim, cfg.rope_theta,
+                      heads=True, memo=memo)
+        kv = rope_tail(self.kv_norm(self.wkv(x)), pos, self.rope_dim, cfg.rope_theta, memo=memo)
         return qr, q, kv
 
-    def _out(self, o, pos):
+    def _out(self, o, pos, memo=None):
         """o [.., H, D] -> undo RoPE on the tail, grouped output projection -> [.., d]."""
-        o = rope_tail(o, pos.unsqueeze(-1), self.rope_dim, self.cfg.rope_theta, inverse=True)
+        o = rope_tail(o, pos, self.rope_dim, self.cfg.rope_theta, inverse=True, heads=True, memo=memo)
         o = o.flatten(-2).unflatten(-1, (self.o_groups, -1))                 # [.., G, H/G*D]
         o = torch.einsum("...gk,gok->...go", o, self.wo_a.to(o.dtype))
         return self.wo_b(o.flatten(-2))
@@ -496,8 +513,8 @@ class Attention(nn.Module):
                        backends: dict | None = None) -> torch.Tensor:
         """x [B, S, d] at ``meta.positions`` -> [B, S, d]; writes this layer's cache."""
         backends = backends or {}
-        pos = meta.positions
-        qr, q, kv = self._qkv(x, pos)
+        pos, memo = meta.positions, meta.memo
+        qr, q, kv = self._qkv(x, pos, memo)
         kv_flat = cache.kv if cache.fp8 else _flat(cache.kv)
         self._write(kv_flat, meta.slots, kv, cache.fp8)
         parts = [meta.window]
@@ -508,7 +525,7 @@ class Attention(nn.Module):
             _flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
             bs = meta.block_slots[r]
             ent = self.compressor.pool(_flat(cache.comp_kv)[bs], _flat(cache.comp_gate)[bs],
-                                       meta.entry_pos[r])
+                                       meta.entry_pos[r], memo)
             self._write(kv_flat, meta.entry_slot[r], ent, cache.fp8)
             if self.indexer is not None:
                 parts.append(self._select(x, qr, meta, cache, backends))
@@ -519,7 +536,7 @@ class Attention(nn.Module):
         o, _ = ops.sparse_mla_decode(
             q.to(x.dtype), kv_arg, idx, d_v=self.head_dim, softmax_scale=self.scale,
             attn_sink=self.attn_sink.float(), backend=backends.get("sparse_mla_decode", "auto"))
-        return self._out(o.to(x.dtype), pos)
+        return self._out(o.to(x.dtype), pos, memo)
 
     @staticmethod
     def _write(kv_flat, slots, values, fp8):
@@ -536,7 +553,8 @@ class Attention(nn.Module):
         _flat(cache.idx_kv)[meta.slots] = ikv.to(cache.idx_kv.dtype)
         _flat(cache.idx_gate)[meta.slots] = igate.to(cache.idx_gate.dtype)
         bs = meta.block_slots[4]
-        key = ix.compressor.pool(_flat(cache.idx_kv)[bs], _flat(cache.idx_gate)[bs], meta.entry_pos[4])
+        key = ix.compressor.pool(_flat(cache.idx_kv)[bs], _flat(cache.idx_gate)[bs], meta.entry_pos[4],
+                                 meta.memo)
         es = meta.entry_slot[4]
         if cache.idx_keys.dtype == torch.float8_e4m3fn:
             amax = key.float().abs().amax(-1).clamp_min(1e-12)
@@ -545,7 +563,7 @@ class Attention(nn.Module):
             cache.idx_scale.view(-1)[es] = sc
         else:
             _flat(cache.idx_keys)[es] = key.to(cache.idx_keys.dtype)
-        q, w = ix.queries(x, qr, pos)
+        q, w = ix.queries(x, qr, pos, meta.memo)
         qdt = torch.float32 if cache.idx_keys.dtype == torch.float32 else torch.bfloat16
         top = ops.indexer_topk(
             q.to(qdt), cache.idx_keys, cache.idx_scale, w, meta.cblock_table,

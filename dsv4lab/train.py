@@ -89,6 +89,18 @@ def load_corpus(root=None, max_files: int | None = None) -> tuple[torch.Tensor, 
     return tr, he, info
 
 
+def mini_config(layers: int | None = None) -> DSV4Config:
+    """``DSV4Config.mini()``, optionally with ``layers`` main layers laid out like Flash:
+    ``[0, 0] + [4, 128] * ...`` (then the MTP layer's 0)."""
+    cfg = DSV4Config.mini()
+    if not layers or layers == cfg.num_layers:
+        return cfg
+    if layers < 2:
+        raise ValueError(f"--layers must be >= 2, got {layers}")
+    body = ([4, 128] * layers)[:layers - 2]
+    return cfg.replace(num_layers=layers, compress_ratios=tuple([0, 0] + body + [cfg.mtp_compress_ratio]))
+
+
 def heldout_windows(held: torch.Tensor, seq: int, n: int) -> torch.Tensor:
     """``n`` evenly spaced windows of ``seq + 2`` bytes of the held-out stream: [n, seq+2]."""
     span = held.numel() - seq - 2
@@ -206,6 +218,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="checkpoint path (.safetensors)")
     ap.add_argument("--log", default=None, help="JSON log path (default: next to --out)")
     ap.add_argument("--config", default="mini", choices=["mini", "tiny"])
+    ap.add_argument("--layers", type=int, default=8,
+                    help="main layers of the mini config (default 8: [0,0]+[4,128]*3, like Flash's "
+                         "pattern; the draft's cost relative to the model is what speculation trades)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 64 on GPU, 8 on CPU)")
     ap.add_argument("--seq", type=int, default=None, help="bytes per sequence (default 512 on GPU, 256 on CPU)")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -219,7 +234,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     minutes = args.minutes if args.minutes is not None else (None if args.steps else 2.5)
-    cfg = DSV4Config.mini() if args.config == "mini" else tiny_config()
+    cfg = mini_config(args.layers) if args.config == "mini" else tiny_config()
     model, log = train(cfg, minutes=minutes, steps=args.steps, device=device,
                        batch=args.batch or (64 if gpu else 8), seq=args.seq or (512 if gpu else 256),
                        lr=args.lr, seed=args.seed, max_files=args.max_files, quiet=args.quiet)

@@ -3,7 +3,7 @@
 Full mode (a GPU): three real-size DeepSeek-V4-Flash layers (ratio 0, 4, 128) + head,
 one CUDA graph per configuration with timing events between components
 (:mod:`dsv4lab.step`), tokens/s extrapolated to the 43-layer model. The grid, in the order
-it runs (a time budget, 130 s by default or ``$DSV4LAB_STEP_BUDGET_S``, skips what is
+it runs (a time budget, 120 s by default or ``$DSV4LAB_STEP_BUDGET_S``, skips what is
 left and says so, because a killed benchmark records nothing):
 
 1. the targets at concurrency 64, 512-token contexts: "before" (1M max context), the
@@ -36,7 +36,7 @@ from dsv4lab.config import DSV4Config
 CONCURRENCIES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 131072)
 MAX_CONTEXTS = (8192, 131072, 1048576)
-DEFAULT_BUDGET_S = 130.0
+DEFAULT_BUDGET_S = 120.0
 
 # (preset, concurrency, context, max_context or None = the preset's)
 TARGET_GRID = [

@@ -198,7 +198,7 @@ def claims(rows, *, concurrency: int = 64, context: int = 512) -> list[dict]:
                          f"{f['tokens_per_s'] / b['tokens_per_s']:.1f}x")
     out.append({"claim": f"indexer fix, concurrency {concurrency}, short contexts",
                 "campaign": "29.7 -> 531.7 tok/s (17.9x)", "measured": "; ".join(parts) or "not measured yet",
-                "note": "the H200's 4.8 TB/s HBM makes the 1M-entry fallback cheaper than on the "
+                "note": "the H200's HBM (4.2 TB/s measured) makes the 1M-entry fallback cheaper than on the "
                         "campaign's GPUs, and the rest of the step differs; " + WHY})
 
     # 3./4. the profile before and after

@@ -1,0 +1,101 @@
+"""Figures of notebook 05: training curve, acceptance per draft position, speedup vs drafts.
+
+Every function takes rows of ``dsv4lab.results.load("spec")`` (or a live ``bench.run``) or a
+training log dict, and draws a note instead of crashing when there is nothing to draw.
+Explained in notebooks/05_mtp_speculative.ipynb.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from dsv4lab import results
+
+KEYS = ("concurrency", "num_draft", "draft_moe", "gpu")
+
+
+def _note(ax, text):
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def clean(rows, *, smoke: bool = False) -> list[dict]:
+    """Newest row per configuration; GPU (full-mode) rows only unless ``smoke``."""
+    return results.latest([r for r in (rows or []) if bool(r.get("smoke")) == smoke], KEYS)
+
+
+def _axes(ax, n=1, figsize=(7, 4)):
+    if ax is not None:
+        return None, ax
+    return plt.subplots(1, n, figsize=figsize)
+
+
+def plot_training(log: dict | None, ax=None):
+    """Training loss (main and MTP) against step, with the held-out losses."""
+    fig, ax = _axes(ax)
+    if not log or not log.get("curve"):
+        _note(ax, "no training log yet:\nrun `dsv4lab train`")
+        return fig or ax.figure
+    c = log["curve"]
+    steps = [r["step"] for r in c]
+    ax.plot(steps, [r["main"] for r in c], label="next byte (train batch)")
+    if "mtp" in c[0]:
+        ax.plot(steps, [r["mtp"] for r in c], label="MTP: byte after next (train batch)")
+    b, a = log.get("heldout_before_quant", {}), log.get("heldout_after_quant", {})
+    if b:
+        ax.axhline(b["main"], color="C0", ls="--", lw=1, label=f"held-out main {b['main']:.3f}")
+        ax.axhline(a["main"], color="C3", ls=":", lw=1, label=f"held-out main, MXFP4 experts {a['main']:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_ylim(0, min(6, max(r["main"] for r in c[1:] or c) * 1.2))
+    ax.set_title(f"mini DeepSeek-V4 on stdlib source: {log.get('steps')} steps, "
+                 f"{log.get('minutes')} min, {log.get('device')}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig or ax.figure
+
+
+def plot_acceptance(rows=None, *, smoke: bool = False, ax=None):
+    """Acceptance of each draft position (k = 3 drafts), concurrency 1 and 8."""
+    rows = clean(results.load("spec") if rows is None else rows, smoke=smoke)
+    fig, ax = _axes(ax)
+    main = [r for r in rows if r["num_draft"] == max((x["num_draft"] for x in rows), default=0)
+            and r.get("draft_moe") == r.get("moe")]
+    if not main or not main[0]["acceptance"]:
+        _note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
+        return fig or ax.figure
+    width = 0.8 / len(main)
+    for i, r in enumerate(sorted(main, key=lambda r: r["concurrency"])):
+        xs = [p + 1 + (i - (len(main) - 1) / 2) * width for p in range(len(r["acceptance"]))]
+        bars = ax.bar(xs, r["acceptance"], width, label=f"concurrency {r['concurrency']} "
+                      f"(mean accepted {r['mean_accepted']:.2f} tokens/step)")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(range(1, len(main[0]["acceptance"]) + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of steps accepted")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"MTP drafts accepted on held-out source\n{results.label(main)}", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig or ax.figure
+
+
+def plot_speedup(rows=None, *, smoke: bool = False, ax=None):
+    """Tokens/s of speculative over plain decoding vs number of drafts."""
+    rows = clean(results.load("spec") if rows is None else rows, smoke=smoke)
+    fig, ax = _axes(ax)
+    rows = [r for r in rows if r.get("draft_moe") == r.get("moe")]
+    if not rows:
+        _note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
+        return fig or ax.figure
+    for conc in sorted({r["concurrency"] for r in rows}):
+        pts = sorted((r["num_draft"], r["speedup"]) for r in rows if r["concurrency"] == conc)
+        ax.plot(*zip(*pts), marker="o", label=f"concurrency {conc}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(1.5, color="g", ls="--", lw=0.8, label="target 1.5x (concurrency 1)")
+    ax.set_xlabel("draft tokens per step (0 = plain decoding)")
+    ax.set_ylabel("speedup in tokens/s")
+    ax.set_xticks(sorted({r["num_draft"] for r in rows}))
+    ax.set_title(f"Speculative decoding speedup\n{results.label(rows)}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig or ax.figure

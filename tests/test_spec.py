@@ -1,0 +1,154 @@
+"""MTP speculative decoding: greedy output identical to plain decoding, token for token.
+
+Three kinds of drafter: the model's own MTP layer (random model: almost every draft is
+rejected, so rollback is exercised at every step), an "oracle" MTP that knows the plain
+decoding's continuation but is corrupted at pseudo-random positions (every acceptance
+length 0..k occurs), and the trained checkpoint's MTP layer (real acceptance).
+"""
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4lab.engine import Engine, Generation
+from dsv4lab.model import DSV4, load_checkpoint, tiny_config
+
+TORCH = {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"}
+TRITON = {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"}
+CKPT = Path(__file__).resolve().parent.parent / "data" / "checkpoints" / "mini.safetensors"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+_BASE = {}
+
+
+def _model(seed=0):
+    if seed not in _BASE:
+        torch.manual_seed(seed)
+        _BASE[seed] = DSV4(tiny_config()).eval().quantize_experts("mxfp4")
+    return copy.deepcopy(_BASE[seed])
+
+
+def _install_oracle(model, prompts, plain_tokens, corrupt_every=3):
+    """Replace the MTP logits by one-hot guesses of the plain continuation (the MTP at
+    position p predicts token p + 2), wrong at a fixed pseudo-random 1/corrupt_every of
+    the positions."""
+    seqs = [list(p) + list(t) for p, t in zip(prompts, plain_tokens)]
+    L = max(len(s) for s in seqs) + 8
+    table = torch.zeros(len(seqs), L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        table[b, :len(s)] = torch.tensor(s)
+    real = model.mtp_forward_decode
+    wrong = torch.rand(len(seqs), L, generator=torch.Generator().manual_seed(corrupt_every)) < 1 / corrupt_every
+
+    def oracle(streams, next_tokens, meta, cache, backends=None, k=0):
+        logits, h = real(streams, next_tokens, meta, cache, backends, k)
+        pos = meta.positions
+        B = pos.shape[0]
+        tgt = table.to(pos.device)[torch.arange(B, device=pos.device)[:, None], (pos + 2).clamp_max(L - 1)]
+        bad = wrong.to(pos.device)[torch.arange(B, device=pos.device)[:, None], pos.clamp_max(L - 1)]
+        tgt = torch.where(bad, (tgt + 1) % logits.shape[-1], tgt)
+        return torch.nn.functional.one_hot(tgt, logits.shape[-1]).float() * 100, h
+
+    model.mtp_forward_decode = oracle
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_equals_plain_with_own_mtp(k):
+    eng = Engine(_model(), max_batch=3, max_len=64, page_size=8, backends=TORCH)
+    prompts = [[10, 20, 30, 40, 50], [7] * 19, [99]]
+    plain = eng.generate(prompts, 12)
+    spec = eng.generate(prompts, 12, num_draft=k)
+    assert spec.tokens == plain.tokens
+    assert sum(spec.accept_hist) > 0 and len(spec.accept_hist) == k + 1
+    assert 1.0 <= spec.mean_accepted <= k + 1
+
+
+@pytest.mark.parametrize("k,corrupt", [(1, 3), (2, 4), (3, 4), (3, 10 ** 6)])
+def test_speculative_equals_plain_with_oracle_drafts(k, corrupt):
+    m = _model(seed=1)
+    prompts = [[1, 2, 3, 4, 5, 6], [200] * 13, [17, 18]]
+    eng = Engine(m, max_batch=3, max_len=64, page_size=4, backends=TORCH)
+    plain = eng.generate(prompts, 16)
+    _install_oracle(m, prompts, plain.tokens, corrupt)
+    spec = eng.generate(prompts, 16, num_draft=k)
+    assert spec.tokens == plain.tokens
+    hist = spec.accept_hist
+    if corrupt > 10 ** 5:                   # a perfect drafter: every step accepts all k
+        assert hist[k] > 0 and sum(hist[:k]) <= len(prompts)   # (except near the end)
+        assert spec.steps < plain.steps
+    else:                                   # rejections, partial and full acceptance
+        assert hist[0] > 0 and hist[k] > 0 and (k == 1 or sum(hist[1:k]) > 0), hist
+    acc = spec.acceptance
+    assert len(acc) == k and all(0 <= a <= 1 for a in acc)
+    assert all(acc[i] >= acc[i + 1] for i in range(k - 1))   # draft i+1 needs draft i
+
+
+def test_acceptance_statistics():
+    g = Generation(tokens=[[]], num_draft=2, steps=10, accept_hist=[2, 3, 5], seconds=1.0,
+                   graphs=False)
+    assert g.acceptance == [0.8, 0.5]
+    assert g.mean_accepted == pytest.approx((2 * 1 + 3 * 2 + 5 * 3) / 10)
+
+
+def test_speculative_with_triton_backends_in_interpreter():
+    m = _model(seed=2)
+    prompts = [[5, 4, 3, 2, 1, 0, 9], [33, 34]]
+    ref = Engine(m, max_batch=2, max_len=32, page_size=8, backends=TORCH).generate(prompts, 4)
+    eng = Engine(m, max_batch=2, max_len=32, page_size=8, backends=TRITON)
+    _install_oracle(m, prompts, ref.tokens, 3)
+    spec = eng.generate(prompts, 4, num_draft=2)
+    assert spec.tokens == ref.tokens
+
+
+@pytest.mark.skipif(not CKPT.exists(), reason="no trained checkpoint in data/checkpoints")
+def test_trained_checkpoint_drafts_are_accepted_and_output_is_identical():
+    m = load_checkpoint(CKPT)
+    prompts = ["import os\nimport sys\n\n\ndef main(", "class Foo:\n    def __init__(self"]
+    eng = Engine(m, max_batch=2, max_len=96, page_size=16, backends=TORCH)
+    plain = eng.generate(prompts, 24)
+    spec = eng.generate(prompts, 24, num_draft=2)
+    assert spec.tokens == plain.tokens
+    assert spec.acceptance[0] > 0.2          # the trained MTP layer predicts its model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not CKPT.exists(), reason="no trained checkpoint in data/checkpoints")
+@pytest.mark.parametrize("backends", [
+    {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"},
+    {"sparse_mla_decode": "simt", "indexer_topk": "triton", "fused_moe": "triton"},
+    {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"},
+])
+def test_gpu_speculative_equals_plain_on_every_backend(backends):
+    m = load_checkpoint(CKPT)
+    prompts = ["import os\n", "def main(argv=None):\n    ", "class A(B):\n", "    return self._",
+               "# Copyright", "if __name__ == '__main__':\n", "try:\n    import ", "x = ["]
+    eng = Engine(m, max_batch=8, max_len=256, backends=backends)
+    plain = eng.generate(prompts, 160)
+    for k in (1, 2, 3):
+        spec = eng.generate(prompts, 160, num_draft=k)
+        if backends["fused_moe"] != "torch":   # the torch MoE reference asks the host which experts were hit
+            assert spec.graphs, spec.notes
+        assert spec.tokens == plain.tokens, (k, backends)
+        assert spec.acceptance[0] > 0.2
+
+
+def test_draft_moe_backend_resolves_up_front():
+    from dsv4lab.backends import BackendUnavailable
+    m = _model()
+    with pytest.raises(BackendUnavailable, match="trtllm_fp4"):
+        Engine(m, max_batch=1, max_len=16, backends=TORCH, draft_backends=dict(TORCH, fused_moe="trtllm_fp4"))
+    eng = Engine(m, max_batch=1, max_len=16, backends=TORCH, draft_backends=dict(TORCH, fused_moe="triton"))
+    assert eng.moe_plans["draft"].backend.name == "triton" and eng.moe_plans["main"].backend.name == "torch"
+    assert eng.moe_plans["draft"].fmt == "mxfp4"
+    with pytest.raises(ValueError, match="unknown op"):
+        Engine(m, max_batch=1, max_len=16, backends={"attention": "mma"})
