@@ -383,7 +383,7 @@ def html_table(rows: list[dict]) -> str:
         f"<td>{_si(r['flops'], 'FLOP')}</td><td>{r['intensity']:.1f}</td>"
         f"<td>{r['roofline_s'] * 1e6:.1f}</td><td>{r['share'] * 100:.1f}%</td><td>{r['bound']}</td>"
         f"<td>{r['note']}</td></tr>" for r in rows)
-    return ("<table><thead><tr><th>component</th><th>layers</th><th>bytes</th><th>FLOPs</th>"
+    return ('<table style="white-space: nowrap"><thead><tr><th>component</th><th>layers</th><th>bytes</th><th>FLOPs</th>'
             "<th>FLOP/byte</th><th>roofline &micro;s</th><th>share</th><th>bound</th><th>note</th>"
             f"</tr></thead><tbody>{cells}</tbody><tfoot><tr><td><b>step</b></td><td></td>"
             f"<td>{_si(t['bytes'], 'B')}</td><td>{_si(t['flops'], 'FLOP')}</td><td></td>"

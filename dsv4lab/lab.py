@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernel '{KERNEL_NAME}' registered in {where}")
     print(f"JupyterLab on {root.resolve()}\n  open: {url(port, token)}\n(Ctrl-C stops it)", flush=True)
     proc = subprocess.Popen(cmd)
+    # a SIGTERM to this process stops JupyterLab too (it shuts its kernels down)
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     try:
         return proc.wait()
     except KeyboardInterrupt:

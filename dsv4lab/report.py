@@ -42,11 +42,26 @@ def _status_from_notebook(nb) -> dict:
             "mode": mode, "device": "", "error": ""}
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _prefer_static_fallbacks(nb) -> None:
+    """Where a widget output also carries a static view (HTML or an image), keep the static
+    one: a live widget needs a JavaScript widget manager from the network to draw in a
+    static page, the fallback draws anywhere. Widgets without a fallback are left alone."""
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            data = out.get("data", {})
+            if WIDGET_VIEW in data and any(k in data for k in ("text/html", "image/png", "image/svg+xml")):
+                del data[WIDGET_VIEW]
+
+
 def _convert(nb_path: Path, out_path: Path):
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(nb_path, as_version=4)
+    _prefer_static_fallbacks(nb)
     exporter = HTMLExporter(template_name="lab")
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": nb_path.stem}})
     out_path.write_text(body, encoding="utf-8")

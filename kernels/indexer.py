@@ -16,15 +16,21 @@ The campaign's fallback scored every position up to the configured maximum conte
 holding 512 tokens paid for a million. These kernels cost O(actual length):
 
 1. ``_indexer_logits_kernel``: a FIXED grid of (rows, NUM_SPLITS) programs, chosen from
-   the shapes only. Each program reads its row's visible length from ``context_lens`` ON
-   THE DEVICE and walks the row's tiles ``split, split + NUM_SPLITS, ...`` only up to the
-   last visible page (per-page early exit); programs with nothing to do return at once.
-   A tile gathers BLOCK_N keys through the block table, computes the
-   [heads x BLOCK_N] dot with ``q`` on tensor cores (FP8 e4m3 x e4m3 on sm_89+; keys and
-   queries upcast to bf16 elsewhere, to fp32 in the interpreter, whose bf16 ``tl.dot`` is
-   wrong), then ReLU, the head weights, the head sum and the key scale.
+   the shapes only (about ``programs_per_sm`` programs per SM in all, so that thousands
+   of tile loads are in flight even for 64 decode rows). Each program reads its row's
+   visible length from ``context_lens`` ON THE DEVICE and walks its share of the row's
+   tiles (every NUM_SPLITS-th tile, or one contiguous run) only up to the last visible
+   page (per-page early exit); programs with nothing to do return at once. A tile
+   gathers BLOCK_N keys through the block table (each key row is 128 contiguous bytes)
+   and computes ``keys [BLOCK_N, D] @ q^T [D, heads]`` on tensor cores (FP8 e4m3 x e4m3
+   on sm_89+; bf16 elsewhere, the e4m3 upcast being exact; fp32 in the interpreter, whose
+   bf16 ``tl.dot`` is wrong). Keys are the dot's M side on purpose: the ReLU, head
+   weights and the sum over the 64 heads then run along each accumulator row, inside a
+   warp, with no cross-warp reduction per tile. The IEEE fp32 dot (CUDA cores) takes the
+   head dim in BLOCK_D chunks: one [D = 128] operand would not fit in registers.
 2. ``_topk_kernel``: one program per row. If the row sees ``n <= topk`` entries it writes
-   positions 0..n-1 and pads -1 (the common decode case: no sort at all). Otherwise a
+   positions 0..n-1 and pads -1 (the common decode case: no sort at all; the logits
+   kernel does not even score such rows when it feeds the top-k). Otherwise a
    4-pass radix select over the order-preserving uint32 image of the fp32 logits (8 bits
    a pass, a 256-bin histogram of the entries that still match the prefix) finds the
    k-th largest key; a last pass writes every position above it and as many of the ties
@@ -60,17 +66,83 @@ def _e4m3_bits_to_f32(x):
 
 
 @triton.jit
+def _tile_dot(k, qt, DOT_MODE: tl.constexpr, FP32_PRECISION: tl.constexpr):
+    """[BLOCK_N, Dc] keys x [Dc, H_PAD] queries -> fp32 [BLOCK_N, H_PAD]."""
+    if DOT_MODE == 0:
+        acc = tl.dot(k, qt)
+    elif DOT_MODE == 1:
+        acc = tl.dot(k.to(tl.bfloat16), qt)
+    else:
+        acc = tl.dot(k.to(tl.float32), qt, input_precision=FP32_PRECISION)
+    return acc
+
+
+@triton.jit
+def _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh,
+             DOT_MODE: tl.constexpr, Q_U8: tl.constexpr):
+    """q's [H_PAD, Dc] slice, transposed to the dot's [Dc, H_PAD] operand in its dtype."""
+    q = tl.load(q_row + offs_h[:, None] * stride_qh + offs_c[None, :],
+                mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    if Q_U8:
+        q = _e4m3_bits_to_f32(q)
+    if DOT_MODE == 1:
+        q = q.to(tl.bfloat16)
+    elif DOT_MODE == 2:
+        q = q.to(tl.float32)
+    return tl.trans(q)
+
+
+@triton.jit
+def _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
+                offs_n, offs_h, h_ok, stride_qh,
+                D: tl.constexpr, PAGE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                DOT_MODE: tl.constexpr, FP32_PRECISION: tl.constexpr,
+                Q_U8: tl.constexpr, K_U8: tl.constexpr):
+    """Score logical entries [t * BLOCK_N, (t + 1) * BLOCK_N) of one row and store them."""
+    pos = t * BLOCK_N + offs_n
+    vis = pos < n
+    phys = tl.load(bt_row + pos // PAGE, mask=vis, other=0)
+    slot = phys.to(tl.int64) * PAGE + pos % PAGE
+    ks = tl.load(ks_ptr + slot, mask=vis, other=0.0)
+    if BLOCK_D == D_PAD:
+        # the whole head dim at once: q^T stays resident in the program
+        offs_d = tl.arange(0, D_PAD)
+        k = tl.load(k_ptr + slot[:, None] * D + offs_d[None, :],
+                    mask=vis[:, None] & (offs_d < D)[None, :], other=0.0)
+        if K_U8:
+            k = _e4m3_bits_to_f32(k)
+        acc = _tile_dot(k, qt, DOT_MODE, FP32_PRECISION)                # [BLOCK_N, H_PAD]
+    else:
+        # the CUDA-core fp32 dot: chunks of BLOCK_D dims keep its operands in registers
+        acc = tl.zeros([BLOCK_N, H_PAD], dtype=tl.float32)
+        for d0 in tl.static_range(0, D_PAD, BLOCK_D):
+            offs_c = d0 + tl.arange(0, BLOCK_D)
+            c_ok = offs_c < D
+            k = tl.load(k_ptr + slot[:, None] * D + offs_c[None, :],
+                        mask=vis[:, None] & c_ok[None, :], other=0.0)
+            if K_U8:
+                k = _e4m3_bits_to_f32(k)
+            qc = _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh, DOT_MODE, Q_U8)
+            acc += _tile_dot(k, qc, DOT_MODE, FP32_PRECISION)
+    # ReLU, head weights, and the sum over heads: along the accumulator's rows (in-warp)
+    logit = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * ks
+    logit = tl.where(vis, logit, float("-inf"))
+    tl.store(out_row + pos, logit, mask=pos < L)
+
+
+@triton.jit
 def _indexer_logits_kernel(
         q_ptr, k_ptr, ks_ptr, w_ptr, bt_ptr, cl_ptr, out_ptr,
-        S, H, L, n_bound,
+        S, H, L, n_bound, skip_upto,
         stride_qb, stride_qs, stride_qh,
         stride_wb, stride_ws,
         stride_btb,
         stride_clb, stride_cls,
         D: tl.constexpr, PAGE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_MODE: tl.constexpr, FILL_TAIL: tl.constexpr,
-        Q_U8: tl.constexpr, K_U8: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        CONTIGUOUS: tl.constexpr, DOT_MODE: tl.constexpr, FP32_PRECISION: tl.constexpr,
+        FILL_TAIL: tl.constexpr, Q_U8: tl.constexpr, K_U8: tl.constexpr):
     row = tl.program_id(0)          # b * S + s
     split = tl.program_id(1)
     b = row // S
@@ -79,44 +151,40 @@ def _indexer_logits_kernel(
     n = tl.load(cl_ptr + b * stride_clb + s * stride_cls)
     n = tl.minimum(tl.maximum(n, 0), n_bound)
     n_tiles = tl.cdiv(n, BLOCK_N)
+    # rows with n <= skip_upto need no scores (top-k keeps all of them): no tiles
+    n_work = tl.where(n > skip_upto, n_tiles, 0)
     out_row = out_ptr + row.to(tl.int64) * L
     offs_n = tl.arange(0, BLOCK_N)
+    # which of the row's tiles are this program's: a contiguous run, or every NUM_SPLITS-th
+    if CONTIGUOUS:
+        per = tl.cdiv(n_work, NUM_SPLITS)
+        t_lo = split * per
+        t_hi = tl.minimum(t_lo + per, n_work)
+    else:
+        t_lo = split
+        t_hi = n_work
 
-    if split < n_tiles:             # early exit: a program past the row's last page does nothing
+    if t_lo < t_hi:                 # early exit: a program past the row's last page does nothing
         offs_h = tl.arange(0, H_PAD)
-        offs_d = tl.arange(0, D_PAD)
         h_ok = offs_h < H
-        d_ok = offs_d < D
-        q = tl.load(q_ptr + b * stride_qb + s * stride_qs + offs_h[:, None] * stride_qh
-                    + offs_d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        q_row = q_ptr + b * stride_qb + s * stride_qs
         w = tl.load(w_ptr + b * stride_wb + s * stride_ws + offs_h, mask=h_ok, other=0.0)
-        if Q_U8:
-            q = _e4m3_bits_to_f32(q)
-        if DOT_MODE == 1:
-            q = q.to(tl.bfloat16)
-        elif DOT_MODE == 2:
-            q = q.to(tl.float32)
+        if BLOCK_D == D_PAD:
+            offs_d = tl.arange(0, D_PAD)
+            qt = _load_qt(q_row, offs_h, offs_d, h_ok, offs_d < D, stride_qh, DOT_MODE, Q_U8)
+        else:
+            qt = tl.zeros([BLOCK_D, H_PAD], dtype=tl.float32)      # unused: chunks reload q
         bt_row = bt_ptr + b * stride_btb
-        for t in range(split, n_tiles, NUM_SPLITS):
-            pos = t * BLOCK_N + offs_n
-            vis = pos < n
-            phys = tl.load(bt_row + pos // PAGE, mask=vis, other=0)
-            slot = phys.to(tl.int64) * PAGE + pos % PAGE
-            k = tl.load(k_ptr + slot[:, None] * D + offs_d[None, :],
-                        mask=vis[:, None] & d_ok[None, :], other=0.0)
-            ks = tl.load(ks_ptr + slot, mask=vis, other=0.0)
-            if K_U8:
-                k = _e4m3_bits_to_f32(k)
-            if DOT_MODE == 0:
-                acc = tl.dot(q, tl.trans(k))                              # [H_PAD, BLOCK_N]
-            elif DOT_MODE == 1:
-                acc = tl.dot(q, tl.trans(k.to(tl.bfloat16)))
-            else:
-                acc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            acc = tl.maximum(acc, 0.0) * w[:, None]
-            logit = tl.sum(acc, axis=0) * ks
-            logit = tl.where(vis, logit, float("-inf"))
-            tl.store(out_row + pos, logit, mask=pos < L)
+        if CONTIGUOUS:
+            for t in range(t_lo, t_hi):
+                _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
+                            offs_n, offs_h, h_ok, stride_qh, D, PAGE, H_PAD, D_PAD, BLOCK_N,
+                            BLOCK_D, DOT_MODE, FP32_PRECISION, Q_U8, K_U8)
+        else:
+            for t in range(t_lo, t_hi, NUM_SPLITS):
+                _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
+                            offs_n, offs_h, h_ok, stride_qh, D, PAGE, H_PAD, D_PAD, BLOCK_N,
+                            BLOCK_D, DOT_MODE, FP32_PRECISION, Q_U8, K_U8)
 
     if FILL_TAIL:                   # the public logits op returns all L columns (-inf tail)
         n_all = tl.cdiv(L, BLOCK_N)
@@ -230,16 +298,36 @@ def dot_mode(q_dtype, k_dtype, device) -> int:
     return DOT_BF16
 
 
-def _logits_config(mode: int, D_PAD: int) -> dict:
-    if mode == DOT_FP32:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
-    if mode == DOT_BF16:
-        return dict(BLOCK_N=64 if D_PAD > 128 else 128, num_warps=4, num_stages=3)
-    return dict(BLOCK_N=128, num_warps=4, num_stages=3)
+# Launch configurations of the logits kernel, per (dot, key dtype); "*" matches any key.
+# Fields: block_n (entries per tile), block_d (head dims per dot; None = all of them, q
+# resident; the CUDA-core fp32 dot needs chunks), num_warps, num_stages, programs_per_sm
+# (the grid is (rows, splits) with splits = floor(programs_per_sm * SMs / rows), from the
+# shapes only), contiguous (each split takes a run of tiles, else every splits-th tile),
+# fp32_precision ("ieee" or "tf32x3", the fp32 path's tl.dot). scripts/tune_indexer.py
+# sweeps these on a GPU and prints a replacement table.
+LOGITS_CONFIGS = {
+    ("fp8", "*"): dict(block_n=128, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
+                       contiguous=False, fp32_precision="ieee"),
+    ("bf16", "fp8"): dict(block_n=128, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
+                          contiguous=False, fp32_precision="ieee"),
+    ("bf16", "*"): dict(block_n=64, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
+                        contiguous=False, fp32_precision="ieee"),
+    ("fp32", "*"): dict(block_n=32, block_d=16, num_warps=4, num_stages=2, programs_per_sm=8,
+                        contiguous=False, fp32_precision="ieee"),
+}
+_DTYPE_KEY = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def logits_config(mode: int, k_dtype) -> dict:
+    """The launch configuration for dot mode ``mode`` with keys of ``k_dtype``."""
+    dot = DOT_NAMES[mode]
+    key = _DTYPE_KEY.get(k_dtype, "*")
+    return dict(LOGITS_CONFIGS.get((dot, key)) or LOGITS_CONFIGS[(dot, "*")])
 
 
 def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L,
-                   fill_tail: bool, fp8_bytes=None):
+                   fill_tail: bool, fp8_bytes=None, skip_upto: int = -1, config=None,
+                   info=None):
     B, S, H, D = q.shape
     P, page, _ = k_cache.shape
     if q.stride(3) != 1:
@@ -260,53 +348,74 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
     k_arg = k_cache.view(torch.uint8) if k_u8 else k_cache
     H_PAD = max(16, triton.next_power_of_2(H))
     D_PAD = max(32, triton.next_power_of_2(D))
-    cfg = _logits_config(mode, D_PAD)
-    BLOCK_N = cfg["BLOCK_N"]
+    cfg = dict(logits_config(mode, k_cache.dtype), **(config or {}))
+    BLOCK_N = cfg["block_n"]
     if _interpreting(q.device):
         BLOCK_N = 16
+    BLOCK_D = min(D_PAD, cfg["block_d"] or D_PAD)
     rows = B * S
     n_tiles_max = triton.cdiv(L, BLOCK_N)
-    # fixed by the shapes alone (never by context_lens): ~4 programs per SM in all
-    splits = max(1, min(n_tiles_max, triton.cdiv(4 * _sm_count(q.device), rows)))
+    # fixed by the shapes alone (never by context_lens). Rounded down: a grid just past a
+    # multiple of the resident programs would add a nearly empty last wave.
+    splits = max(1, min(n_tiles_max, cfg["programs_per_sm"] * _sm_count(q.device) // rows))
     n_bound = min(L, block_table.shape[1] * page)
-    _indexer_logits_kernel[(rows, splits)](
+    if fill_tail:
+        skip_upto = -1              # every visible column is scored when the tail is filled
+    kernel = _indexer_logits_kernel[(rows, splits)](
         q_arg, k_arg, k_scale, weights, block_table, context_lens, out,
-        S, H, L, n_bound,
+        S, H, L, n_bound, skip_upto,
         q.stride(0), q.stride(1), q.stride(2),
         weights.stride(0), weights.stride(1),
         block_table.stride(0),
         context_lens.stride(0), context_lens.stride(1),
-        D=D, PAGE=page, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N, NUM_SPLITS=splits,
-        DOT_MODE=mode, FILL_TAIL=fill_tail, Q_U8=q_u8, K_U8=k_u8,
+        D=D, PAGE=page, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        NUM_SPLITS=splits, CONTIGUOUS=bool(cfg["contiguous"]), DOT_MODE=mode,
+        FP32_PRECISION=cfg["fp32_precision"], FILL_TAIL=fill_tail, Q_U8=q_u8, K_U8=k_u8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if info is not None:            # launch facts for the tuner (none under the interpreter)
+        info.update(splits=splits, programs=rows * splits, block_n=BLOCK_N, block_d=BLOCK_D,
+                    dot=DOT_NAMES[mode])
+        for name in ("n_regs", "n_spills"):
+            info[name] = getattr(kernel, name, None)
+        info["shared"] = getattr(getattr(kernel, "metadata", None), "shared", None)
     return out
 
 
-def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *, fp8_bytes=None):
+def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *, fp8_bytes=None,
+                   config=None, out=None, info=None):
     """Logits [B, S_q, L] fp32, -inf beyond each query's visible length.
 
     Inputs as :func:`dsv4lab.ops.indexer_logits` (already checked there). Writes every
     one of the L columns (the -inf tail too), so its cost has an O(L) store part.
-    ``fp8_bytes=True`` forces the sm_80 path (e4m3 passed as bytes, decoded in-kernel).
+    ``fp8_bytes=True`` forces the sm_80 path (e4m3 passed as bytes, decoded in-kernel);
+    ``config`` overrides fields of :data:`LOGITS_CONFIGS` (the tuner's sweep); ``out``, a
+    preallocated fp32 [B, S_q, L] to write into; ``info``, a dict that receives the grid
+    and the compiled kernel's registers, spills and shared memory.
+
+    Explained in notebooks/03_indexer_capping.ipynb.
     """
     B, S = q.shape[:2]
-    out = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
     return _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L, True,
-                          fp8_bytes)
+                          fp8_bytes, config=config, info=info)
 
 
 def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, topk, *,
-                 fp8_bytes=None):
+                 fp8_bytes=None, config=None):
     """Top-``topk`` logical positions int32 [B, S_q, topk], -1 padded; O(actual length).
 
-    The logits go to an uninitialised [B, S_q, L] scratch of which only each row's
-    visible prefix is written and read; the grids depend on shapes only, nothing reads
-    back to the host: capturable in a CUDA graph.
+    The logits go to an uninitialised [B, S_q, L] scratch of which only the visible
+    prefix of rows with more than ``topk`` entries is written and read (a row that keeps
+    everything needs no scores); the grids depend on shapes only, nothing reads back to
+    the host: capturable in a CUDA graph.
+
+    Explained in notebooks/03_indexer_capping.ipynb.
     """
     B, S = q.shape[:2]
     scratch = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
     _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, scratch, L, False,
-                   fp8_bytes)
+                   fp8_bytes, skip_upto=topk, config=config)
     out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
     interp = _interpreting(q.device)
     BLOCK = 64 if interp else 2048

@@ -1,35 +1,42 @@
 """A portable FP4 mixture-of-experts in Triton (MXFP4 and NVFP4 experts).
 
 The idea. Decode-time MoE is a weight-streaming problem: at T = 1 each of the 6 experts
-hit reads 3 * 2048 * 4096 FP4 weights (6.3 MB with scales) to do 2 FLOPs per weight for
+hit reads 3 * 2048 * 4096 FP4 weights (12.6 MB packed + 0.8 MB of MXFP4 scales) to do 2 FLOPs per weight for
 one token. So the kernel is built around reading every packed weight byte of an expert
 exactly once and applying it to all the tokens routed to that expert:
 
 1. group the (token, expert) pairs by expert into blocks of at most BM rows
    (:mod:`dsv4lab.kernels.moe_align`; fixed upper bound on the block count, no host sync);
 2. ``_moe_gate_up_kernel``: one program per (block, tile of BN intermediate columns)
-   gathers the block's rows of x, streams the gate AND up rows of its tile in 16-byte
-   loads, decodes the FP4 nibbles in registers, accumulates both GEMMs and writes
-   ``act = silu(min(g, L)) * clamp(u, -L, L)`` (or ``silu(g) * u``);
-3. ``_moe_down_kernel``: one program per (block, tile of BN hidden columns) streams the
-   down-projection rows and writes each pair's row times its routing weight;
-4. ``_moe_combine_kernel`` sums the k rows of each token (a deterministic second pass,
-   no atomics) and skips pairs whose expert id is -1.
+   gathers the block's rows of x and walks K in steps of BK elements: each step reads
+   BK/2 contiguous bytes of every gate AND up row of its tile (wide vector loads), decodes
+   the FP4 nibbles in registers, applies the block scales to the decoded weights, and
+   accumulates both GEMMs; it writes ``act = silu(min(g, L)) * clamp(u, -L, L)``;
+3. ``_moe_down_kernel``: one program per (block, tile of BN hidden columns, split-K slice)
+   streams the down-projection rows the same way and writes each pair's partial row times
+   its routing weight;
+4. ``_moe_combine_kernel`` sums the k rows (and split-K slices) of each token (a
+   deterministic second pass, no atomics) and skips pairs whose expert id is -1.
+
+The inner product of a step is either a tensor-core ``tl.dot`` (M padded to BM >= 16) or,
+for blocks of 1..4 rows, a broadcast multiply-and-reduce on the CUDA cores (``USE_DOT``).
+Tile sizes live in one table, :data:`CONFIGS`, swept by scripts/tune_moe.py.
 
 Decoding a nibble without a table. A nibble ``c`` is sign | e1 e0 | m. Put its three
 magnitude bits at bits 9..11 of a 16-bit word and its sign at bit 15, and the word, read
 as an fp16, is exactly ``value(c) * 2**-14`` (codes 0 and 1 land in fp16 subnormals, which
-is exactly how E2M1 treats e = 0). Every E2M1 value is exact in fp16, so the tensor-core
-dot sees exact weights. The even and odd elements of a row live in the low and high
-nibbles, so instead of interleaving them we split x into its even and odd columns:
+is exactly how E2M1 treats e = 0). The even and odd elements of a row live in the low and
+high nibbles, so instead of interleaving them we split x into its even and odd columns:
 ``x . w = x_even . w_lo + x_odd . w_hi``.
 
-Scales. MXFP4 has one power of two per 32 weights of a row, so per 32-element group the
-two dots (K = 16 each) are computed in fp32 and multiplied by ``2**(s-127)`` (built from
-the scale byte's bits) per output column. NVFP4 has one E4M3 scale per 16: the fp16
-product ``(value * 2**-14) * scale`` is exact, so the scale is applied to the weights and
-the dot accumulates directly; the fp32 global scale multiplies the result once. x (and
-the activations) enter the dot as fp16 scaled by 2**-8 (|x| < 1.6e7), undone at the end.
+Scales, applied to the decoded fp16 weights. NVFP4 has one E4M3 scale per 16: the fp16
+product ``(value * 2**-14) * scale`` is exact (2**-24 .. 0.17), so the dot accumulates
+directly; ``2**22`` and the fp32 global scale multiply the result once. MXFP4 has one
+``2**(s-127)`` per 32, too wide a range for fp16: per K-step and row, with ``smax`` the
+largest scale byte of the step, the weights get ``2**(s - smax + 15)`` (fp16, exact for
+blocks within 2**24 of the step's largest, flushed below 2**-29 of it) and the step's
+dot gets ``2**(smax - 128 + 8)`` (fp32, per column). x (and the activations) enter the
+dot as fp16 scaled by 2**-8 (|x| < 1.6e7).
 
 Everything runs on sm_80, sm_90 and sm_120 alike (plain loads, integer ops, ``tl.dot``
 on fp16) and in Triton's interpreter; under the interpreter the dot operands are upcast
@@ -49,7 +56,7 @@ from dsv4lab.kernels.moe_align import moe_align, num_blocks_max
 
 X_PRESCALE = 2.0 ** -8      # x and activations enter the fp16 dot scaled by this
 W_OFFSET = 2.0 ** -14       # the fp16 bit trick yields value * 2**-14
-UNDO = 2.0 ** 22            # 1 / (X_PRESCALE * W_OFFSET)
+UNDO = 2.0 ** 22            # 1 / (X_PRESCALE * W_OFFSET): the NVFP4 epilogue factor
 
 
 def _interpreting() -> bool:
@@ -73,72 +80,96 @@ def _e2m1_hi(p):
 
 
 @triton.jit
-def _e4m3_bits_to_f32(b):
-    """E4M3 scale bytes (read as uint8: sm_80 has no e4m3 type) -> fp32, exactly.
+def _e4m3_bits_to_f16(b):
+    """E4M3 scale bytes (read as uint8: sm_80 has no e4m3 type) -> fp16, exactly.
 
     Bits s eeee mmm placed as fp16 s 0eeee mmm0000000 read ``value * 2**-8`` (e = 0 lands on
-    fp16 subnormals just as E4M3's subnormals do)."""
+    fp16 subnormals just as E4M3's subnormals do); times 256 (exact) gives the value."""
     b = b.to(tl.int16)
     bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return bits.to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
-def _group_dot(acc, xe, xo, p, s_a, s_b, kb, IS_NV: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc + x_even . w_lo + x_odd . w_hi for one 32-element group of BN weight rows.
+def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
+            BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr):
+    """One K-step of BN weight rows: ``(w_lo, w_hi, colf)``.
 
-    p: packed bytes [16, BN]; MXFP4: s_a = 2**(s-127) fp32 [BN] (s_b unused);
-    NVFP4: s_a, s_b = the two E4M3 block scales [BN] as fp32 (elements 0-15 and 16-31).
+    w_tile: pointers [BN, BKH] to packed bytes (BKH contiguous bytes a row: wide vector
+    loads); s_tile: pointers [BN, BKH // GS] to the scale bytes (GS packed bytes a scale).
+    w_lo/w_hi: fp16 [BN, BKH], the even/odd elements with their block scale applied;
+    colf: fp32 [BN], what the step's dot must still be multiplied by (MXFP4 only).
+
+    NVFP4: ``(value * 2**-14) * e4m3`` is exact in fp16 (2**-24 .. 0.17). MXFP4: the scale
+    ``2**(s-127)`` does not fit fp16, so the step is split as ``2**(s - smax + 15)`` (fp16,
+    applied here; exact while a block is within 2**24 of the largest block of its row in
+    this step, flushed below 2**-29 of it) times ``colf = 2**(smax - 128 + 8)`` (fp32, per
+    row, applied to the step's dot; the 2**8 undoes the x prescale).
     """
-    wlo = _e2m1_lo(p)
-    whi = _e2m1_hi(p)
+    NSC: tl.constexpr = BKH // GS
+    p = tl.load(w_tile, mask=nmask[:, None], other=0)
+    sb = tl.load(s_tile, mask=nmask[:, None], other=0)
     if IS_NV:
-        sc = tl.where(kb[:, None] < 8, s_a[None, :], s_b[None, :]).to(tl.float16)
-        wlo = wlo * sc
-        whi = whi * sc
-        if DOT_FP32:
-            acc = tl.dot(xe.to(tl.float32), wlo.to(tl.float32), acc)
-            acc = tl.dot(xo.to(tl.float32), whi.to(tl.float32), acc)
-        else:
-            acc = tl.dot(xe, wlo, acc)
-            acc = tl.dot(xo, whi, acc)
+        mult = _e4m3_bits_to_f16(sb)
+        colf = tl.full((BN,), 1.0, tl.float32)
     else:
-        if DOT_FP32:
-            d = tl.dot(xe.to(tl.float32), wlo.to(tl.float32))
-            d = tl.dot(xo.to(tl.float32), whi.to(tl.float32), d)
-        else:
-            d = tl.dot(xe, wlo)
-            d = tl.dot(xo, whi, d)
-        acc += d * s_a[None, :]
-    return acc
+        si = sb.to(tl.int32)
+        smax = tl.max(si, axis=1)
+        e = si - smax[:, None] + 15
+        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
+        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS)), (BN, BKH))
+    return _e2m1_lo(p) * mexp, _e2m1_hi(p) * mexp, colf
 
 
 @triton.jit
-def _load_group(w_rows, s_rows, x_rows, kb, g, nmask, mmask, IS_NV: tl.constexpr):
-    """Packed bytes [16, BN], scales and x even/odd [BM, 16] of 32-element group g."""
-    p = tl.load(w_rows + g * 16, mask=nmask[None, :], other=0)
-    if IS_NV:
-        s_a = _e4m3_bits_to_f32(tl.load(s_rows + 2 * g, mask=nmask, other=0))
-        s_b = _e4m3_bits_to_f32(tl.load(s_rows + 2 * g + 1, mask=nmask, other=0))
+def _x_tile(x_rows, k0, mmask):
+    """x (or activations) at the even and odd columns of the step: fp32 [BM, BKH] * 2**-8."""
+    xe = tl.load(x_rows + 2 * k0, mask=mmask[:, None], other=0.0).to(tl.float32)
+    xo = tl.load(x_rows + 2 * k0 + 1, mask=mmask[:, None], other=0.0).to(tl.float32)
+    return xe * 0.00390625, xo * 0.00390625
+
+
+@triton.jit
+def _mac(acc, xe, xo, wlo, whi, colf, IS_NV: tl.constexpr, USE_DOT: tl.constexpr,
+         DOT_FP32: tl.constexpr):
+    """acc + colf * (x_even . w_lo^T + x_odd . w_hi^T): [BM, BN].
+
+    USE_DOT: tensor cores (fp16 operands, fp32 accumulate; BM >= 16, tiny M is padded).
+    Otherwise a broadcast multiply and reduce on the CUDA cores in fp32 (for BM of 1..4)."""
+    if USE_DOT:
+        if DOT_FP32:      # the interpreter: fp16 dots are not trustworthy there; same rounding
+            a_e, a_o = xe.to(tl.float16).to(tl.float32), xo.to(tl.float16).to(tl.float32)
+            b_lo, b_hi = tl.trans(wlo.to(tl.float32)), tl.trans(whi.to(tl.float32))
+        else:
+            a_e, a_o = xe.to(tl.float16), xo.to(tl.float16)
+            b_lo, b_hi = tl.trans(wlo), tl.trans(whi)
+        if IS_NV:
+            acc = tl.dot(a_e, b_lo, acc)
+            acc = tl.dot(a_o, b_hi, acc)
+        else:
+            d = tl.dot(a_e, b_lo)
+            d = tl.dot(a_o, b_hi, d)
+            acc += d * colf[None, :]
     else:
-        sbyte = tl.load(s_rows + g, mask=nmask, other=0).to(tl.int32)
-        s_a = (sbyte << 23).to(tl.float32, bitcast=True)     # 2**(s-127); byte 0 -> 0
-        s_b = s_a
-    xe = tl.load(x_rows + g * 32, mask=mmask[:, None], other=0.0).to(tl.float32)
-    xo = tl.load(x_rows + g * 32 + 1, mask=mmask[:, None], other=0.0).to(tl.float32)
-    xe = (xe * 0.00390625).to(tl.float16)
-    xo = (xo * 0.00390625).to(tl.float16)
-    return p, s_a, s_b, xe, xo
+        d = tl.sum(xe[:, None, :] * wlo.to(tl.float32)[None, :, :], axis=2)
+        d += tl.sum(xo[:, None, :] * whi.to(tl.float32)[None, :, :], axis=2)
+        if IS_NV:
+            acc += d
+        else:
+            acc += d * colf[None, :]
+    return acc
 
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         block_expert_ptr, block_start_ptr, block_count_ptr, act_ptr,
-                        I, TOPK, NG,
+                        I, TOPK, KH,
                         stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_act,
                         swiglu_limit,
                         IS_NV: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+                        USE_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BKH: tl.constexpr, GS: tl.constexpr):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     e = tl.load(block_expert_ptr + b)
@@ -152,27 +183,31 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     tok = (pair // TOPK).to(tl.int64)
     offs_n = pn * BN + tl.arange(0, BN)
     nmask = offs_n < I
-    kb = tl.arange(0, 16)
+    kb = tl.arange(0, BKH)
+    ks = tl.arange(0, BKH // GS)
     e64 = e.to(tl.int64)
     x_rows = x_ptr + tok[:, None] * stride_xt + 2 * kb[None, :]
-    wg_rows = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + kb[:, None]
-    wu_rows = wg_rows + I * stride_wn
-    sg_rows = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
-    su_rows = sg_rows + I * stride_sn
+    row_g = e64 * stride_we + offs_n.to(tl.int64) * stride_wn
+    wg = w_ptr + row_g[:, None] + kb[None, :]
+    wu = wg + I * stride_wn
+    srow = e64 * stride_se + offs_n.to(tl.int64) * stride_sn
+    sg = s_ptr + srow[:, None] + ks[None, :]
+    su = sg + I * stride_sn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for g0 in range(0, NG, G):
-        for gi in tl.static_range(G):
-            g = g0 + gi
-            p, s_a, s_b, xe, xo = _load_group(wg_rows, sg_rows, x_rows, kb, g, nmask, mmask, IS_NV)
-            acc_g = _group_dot(acc_g, xe, xo, p, s_a, s_b, kb, IS_NV, DOT_FP32)
-            p, s_a, s_b, xe, xo = _load_group(wu_rows, su_rows, x_rows, kb, g, nmask, mmask, IS_NV)
-            acc_u = _group_dot(acc_u, xe, xo, p, s_a, s_b, kb, IS_NV, DOT_FP32)
-    f = 4194304.0                                   # 2**22: undo x and weight offsets
+    for k0 in range(0, KH, BKH):
+        xe, xo = _x_tile(x_rows, k0, mmask)
+        wlo, whi, cf = _w_tile(wg + k0, sg + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+        acc_g = _mac(acc_g, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32)
+        wlo, whi, cf = _w_tile(wu + k0, su + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+        acc_u = _mac(acc_u, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32)
     if IS_NV:
-        f = f * tl.load(gscale_ptr + e)
-    gate = acc_g * f
-    up = acc_u * f
+        f = 4194304.0 * tl.load(gscale_ptr + e)          # 2**22: undo x and nibble offsets
+        gate = acc_g * f
+        up = acc_u * f
+    else:
+        gate = acc_g
+        up = acc_u
     if HAS_LIMIT:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
@@ -185,12 +220,14 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
                      block_expert_ptr, block_start_ptr, block_count_ptr, ypair_ptr,
-                     H, NG,
+                     H, KH_SPLIT,
                      stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                     IS_NV: tl.constexpr, DOT_FP32: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+                     stride_ys,
+                     IS_NV: tl.constexpr, DOT_FP32: tl.constexpr, USE_DOT: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr):
     b = tl.program_id(0)
     pn = tl.program_id(1)
+    sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
@@ -201,29 +238,31 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
     pair = tl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
     offs_n = pn * BN + tl.arange(0, BN)
     nmask = offs_n < H
-    kb = tl.arange(0, 16)
+    kb = tl.arange(0, BKH)
+    ks = tl.arange(0, BKH // GS)
     e64 = e.to(tl.int64)
+    kbase = sp * KH_SPLIT
     a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + 2 * kb[None, :]
-    w_rows = w_ptr + e64 * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + kb[:, None]
-    s_rows = s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn
+    w_rows = w_ptr + (e64 * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None] + kb[None, :]
+    s_rows = s_ptr + (e64 * stride_se + offs_n.to(tl.int64) * stride_sn)[:, None] + ks[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for g0 in range(0, NG, G):
-        for gi in tl.static_range(G):
-            g = g0 + gi
-            p, s_a, s_b, xe, xo = _load_group(w_rows, s_rows, a_rows, kb, g, nmask, mmask, IS_NV)
-            acc = _group_dot(acc, xe, xo, p, s_a, s_b, kb, IS_NV, DOT_FP32)
-    f = 4194304.0
-    if IS_NV:
-        f = f * tl.load(gscale_ptr + e)
+    for k1 in range(0, KH_SPLIT, BKH):
+        k0 = kbase + k1
+        xe, xo = _x_tile(a_rows, k0, mmask)
+        wlo, whi, cf = _w_tile(w_rows + k0, s_rows + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+        acc = _mac(acc, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32)
     wt = tl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
-    y = acc * f * wt[:, None]
-    tl.store(ypair_ptr + pair.to(tl.int64)[:, None] * stride_y + offs_n[None, :], y,
-             mask=mmask[:, None] & nmask[None, :])
+    if IS_NV:
+        y = acc * (4194304.0 * tl.load(gscale_ptr + e)) * wt[:, None]
+    else:
+        y = acc * wt[:, None]
+    tl.store(ypair_ptr + sp.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_y
+             + offs_n[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_out,
-                        TOPK: tl.constexpr, BH: tl.constexpr):
+def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, stride_out,
+                        TOPK: tl.constexpr, SPLIT: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs < H
@@ -232,42 +271,79 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_out,
         eid = tl.load(ids_ptr + t * TOPK + j + offs * 0)      # broadcast: a vector mask
         ok = (eid >= 0) & (eid < E)
         row = (t * TOPK + j).to(tl.int64)
-        acc += tl.load(ypair_ptr + row * stride_y + offs, mask=hmask & ok, other=0.0)
+        for sp in tl.static_range(SPLIT):
+            acc += tl.load(ypair_ptr + sp * stride_ys + row * stride_y + offs,
+                           mask=hmask & ok, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=hmask)
 
 
 # --------------------------------------------------------------------- launcher ----------
-def _pick_g(ng: int, want: int) -> int:
-    for g in (want, 4, 2, 1):
-        if g <= want and ng % g == 0:
-            return g
-    return 1
+# The tuning table: the first row whose bound is >= the average rows per expert hit
+# (P / min(P, E); 1.0 at T = 1, ~1.5 at T = 64 with 256 experts, ~96 at T = 4096) wins.
+# BK1/BK2: K elements per step of the gate/up and down loops (BK/2 contiguous bytes a row);
+# SPLIT2: split-K slices of the down projection (partials summed by the combine pass);
+# USE_DOT: tensor cores (BM >= 16) or CUDA-core multiply-reduce (tiny BM).
+# scripts/tune_moe.py sweeps these on a GPU; paste its winners here.
+CONFIGS = [
+    (2.0, dict(BM=16, BN1=32, BN2=32, BK1=256, BK2=256, SPLIT2=1, USE_DOT=True,
+               num_warps=4, num_stages=3)),
+    (16.0, dict(BM=16, BN1=64, BN2=64, BK1=256, BK2=256, SPLIT2=1, USE_DOT=True,
+                num_warps=4, num_stages=3)),
+    (float("inf"), dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
+                        num_warps=4, num_stages=3)),
+]
+CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT2", "USE_DOT", "num_warps", "num_stages")
+
+
+def rows_per_expert(T: int, topk: int, E: int) -> float:
+    P = T * topk
+    return P / max(1, min(P, E))
 
 
 def config_for(T: int, topk: int, E: int) -> dict:
-    """Tile sizes: small BM and narrow N tiles (many programs) for decode; bigger for prefill."""
-    P = T * topk
-    avg_rows = P / max(E, 1)
-    if avg_rows <= 16:
-        cfg = dict(BM=16, BN1=32, BN2=64, G=4, num_warps=4, num_stages=4)
-    else:
-        cfg = dict(BM=64, BN1=64, BN2=128, G=2, num_warps=4, num_stages=3)
+    """Tile sizes from :data:`CONFIGS` by the average rows per expert hit."""
+    r = rows_per_expert(T, topk, E)
+    cfg = next(dict(c) for bound, c in CONFIGS if r <= bound)
     if _interpreting():
-        cfg.update(G=1, num_stages=1)
+        cfg.update(num_stages=1)
     return cfg
+
+
+def _pick_bk(K: int, want: int) -> int:
+    """Largest power of two <= want (>= 32) dividing K (K is a multiple of 32)."""
+    bk = max(32, triton.next_power_of_2(want))
+    while bk > 32 and K % bk:
+        bk //= 2
+    return bk
+
+
+def _pick_split(steps: int, want: int) -> int:
+    for s in range(max(1, min(want, steps)), 0, -1):
+        if steps % s == 0:
+            return s
+    return 1
 
 
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, config=None):
     """Launch the grouped FP4 MoE. Arguments as ``dsv4lab.ops.fused_moe`` (already checked;
-    nvfp4 globals as fp32 [E] tensors). No host synchronisation: CUDA-graph capturable."""
+    nvfp4 globals as fp32 [E] tensors on x's device). ``config`` overrides entries of
+    :func:`config_for` (keys :data:`CONFIG_KEYS`). No host synchronisation: CUDA-graph
+    capturable."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
     cfg = dict(config_for(T, topk, E), **(config or {}))
-    BM = cfg["BM"]
+    unknown = set(cfg) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
+    BM, use_dot = int(cfg["BM"]), bool(cfg["USE_DOT"])
+    if use_dot and BM < 16:
+        raise ValueError(f"config: USE_DOT needs BM >= 16 (tl.dot's smallest M), got BM={BM}")
+    if BM < 1 or BM & (BM - 1):
+        raise ValueError(f"config: BM must be a power of two, got {BM}")
     is_nv = fmt == "nvfp4"
     dev = x.device
     x = x.contiguous()
@@ -280,30 +356,33 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     g2 = w2_global.contiguous() if is_nv else dummy
     if is_nv:   # E4M3 scales travel as raw bytes (decoded in the kernel; sm_80 has no e4m3 type)
         w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    GS = 8 if is_nv else 16                      # packed bytes per scale
+    BK1, BK2 = _pick_bk(H, cfg["BK1"]), _pick_bk(I, cfg["BK2"])
+    split = _pick_split(I // BK2, int(cfg["SPLIT2"]))
     sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, BM)
     nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float32, device=dev)
-    ypair = torch.empty(P, H, dtype=torch.float32, device=dev)
+    ypair = torch.empty(split, P, H, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     dot_fp32 = _interpreting()
-    ng1, ng2 = H // 32, I // 32
     BN1, BN2 = cfg["BN1"], cfg["BN2"]
     _moe_gate_up_kernel[(nbm, triton.cdiv(I, BN1))](
         x, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, act,
-        I, topk, ng1,
+        I, topk, H // 2,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32,
-        BM=BM, BN=BN1, G=_pick_g(ng1, cfg["G"]),
+        IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
+        BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    _moe_down_kernel[(nbm, triton.cdiv(H, BN2))](
+    _moe_down_kernel[(nbm, triton.cdiv(H, BN2), split)](
         act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
-        H, ng2,
+        H, I // 2 // split,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        ypair.stride(0),
-        IS_NV=is_nv, DOT_FP32=dot_fp32, BM=BM, BN=BN2, G=_pick_g(ng2, cfg["G"]),
+        ypair.stride(1), ypair.stride(0),
+        IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, BH))](
-        ypair, ids, out, H, E, ypair.stride(0), out.stride(0), TOPK=topk, BH=BH, num_warps=4)
+        ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
+        TOPK=topk, SPLIT=split, BH=BH, num_warps=4)
     return out

@@ -20,16 +20,27 @@ un-merged partial (its normalised output and its log-sum-exp), and
 ``_combine_kernel`` merges them (and adds the attention sink).
 
 FP8 KV. With the 584-byte cache (dsv4lab/quant/kv_fp8.py) the tile is dequantised in
-registers: e4m3 bytes are turned into fp16 by moving their bits (no fp8 hardware
-needed, so the same code runs on sm_80), times the per-64 power-of-two scale; the 64
-RoPE values are read as bf16. Fewer bytes per row, same math.
+registers. On sm_89 and newer (``FP8_HW``) the e4m3 bytes are bitcast to
+``tl.float8e4nv`` and converted by the hardware, then multiplied by the per-64
+power-of-two scale (built from its exponent byte by a shift, exact) in bf16. The portable
+path (sm_80) moves the bits instead: sign to bit 15, exponent+mantissa to bits 7..13 of an
+fp16, which is the e4m3 value times 2^-8 for normals and subnormals alike. The 64 RoPE
+values are read as bf16. Fewer bytes per row, same math.
 
-Launch configurations come from a small per-device table; on a GPU the first call for a
-workload bucket times the few candidates and caches the winner (``_TUNED``), outside
-CUDA-graph capture. In Triton's interpreter bf16 operands are upcast to fp32 before
-``tl.dot`` (the interpreter's bf16 dot is wrong).
+Online softmax, lazily (``LAZY``). Rescaling the [heads, d_v] fp32 accumulator costs as
+many multiplies per tile as the tile has outputs; with ``LAZY`` the running max only moves
+(and the accumulator is only rescaled) when some head's max grew by more than 2^8, so
+p <= 256 and most tiles skip the rescale.
+
+Launch configurations (``Config``: BLOCK_N, warps, stages, head block, LAZY, splits) come
+from a per-device table of measured winners per workload class (``DEVICE_TABLE``, written
+from the output of scripts/tune_sparse_mla.py); otherwise the first call for a workload
+bucket times a few candidates and caches the winner (``_TUNED``), outside CUDA-graph
+capture. In Triton's interpreter bf16 operands are upcast to fp32 before ``tl.dot`` (the
+interpreter's bf16 dot, and bf16 multiply, are wrong).
 """
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,11 +49,13 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 FP8_ROW_BYTES = 584      # 448 e4m3 + 64 bf16 + 7 ue8m0 scales + 1 pad
 FP8_DIM = 512
+RESCALE_SLACK = tl.constexpr(8.0)   # LAZY: move the running max once 2^8 stale (p <= 256)
 
 
 @triton.jit
 def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, FP8: tl.constexpr, KDTYPE: tl.constexpr):
+                  BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
+                  BF16_MATH: tl.constexpr, KDTYPE: tl.constexpr):
     """Gather the latent rows ``rows`` ([BLOCK_N], int64) as a [BLOCK_N, BLOCK_D] tile."""
     if FP8:
         # view the 512 values as 8 groups of 64: groups 0..6 are e4m3 (scale per group),
@@ -52,20 +65,34 @@ def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.cons
         base = rows[:, None, None] * 584
         v3 = valid[:, None, None]
         nope = v3 & (j < 7)
-        b = tl.load(kv_ptr + base + j * 64 + c, mask=nope, other=0).to(tl.int32)
-        sc = tl.load(kv_ptr + base + 576 + j, mask=nope, other=127).to(tl.float32)
-        # e4m3 -> fp16 by moving bits: sign to bit 15, exponent+mantissa to bits 7..13;
-        # the fp16 value is the e4m3 value * 2^-8 (normals and subnormals alike)
-        h16 = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-        val = h16.to(tl.float32) * tl.exp2(sc - 119.0)            # * 2^8 * 2^(s-127)
+        b = tl.load(kv_ptr + base + j * 64 + c, mask=nope, other=0)           # [N, 8, 64]
+        sb = tl.load(kv_ptr + base + 576 + j, mask=nope, other=127).to(tl.int32)  # [N, 8, 1]
+        if FP8_HW:
+            # hardware e4m3 conversion; the scale 2^(s-127) is the fp32 with exponent s
+            # (s = 0, a block with amax < 2^-118, reads as 0)
+            x = b.to(tl.float8e4nv, bitcast=True)
+            sc = (sb << 23).to(tl.float32, bitcast=True)
+            if BF16_MATH:
+                val = x.to(tl.bfloat16) * sc.to(tl.bfloat16)      # exact: power of two
+            else:
+                val = x.to(tl.float32) * sc
+        else:
+            # e4m3 -> fp16 by moving bits: sign to bit 15, exponent+mantissa to bits 7..13;
+            # the fp16 value is the e4m3 value * 2^-8 (normals and subnormals alike)
+            bi = b.to(tl.int32)
+            h16 = (((bi & 0x80) << 8) | ((bi & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+            val = h16.to(tl.float32) * tl.exp2(sb.to(tl.float32) - 119.0)   # * 2^8 * 2^(s-127)
         rope_ptr = kv_ptr.to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr + rows[:, None, None] * 292 + 224 + c,
-                       mask=v3, other=0.0).to(tl.float32)           # [BLOCK_N, 1, 64]
-        k3 = tl.where(j < 7, val, rope)
-        k = tl.reshape(k3, [BLOCK_N, BLOCK_D]).to(KDTYPE)
+        rope = tl.load(rope_ptr + rows[:, None, None] * 292 + 224 + c, mask=v3, other=0.0)
+        k3 = tl.where(j < 7, val.to(KDTYPE), rope.to(KDTYPE))      # [N, 8, 64]
+        k = tl.reshape(k3, [BLOCK_N, BLOCK_D])
     else:
-        k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
-                    mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(KDTYPE)
+        if BLOCK_D == D:       # no column mask: keeps the row gathers 16-byte vectorised
+            k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
+                        mask=valid[:, None], other=0.0).to(KDTYPE)
+        else:
+            k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
+                        mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(KDTYPE)
     return k
 
 
@@ -75,8 +102,8 @@ def _sparse_mla_mma_kernel(
     H, topk, n_hblk, num_splits, split_rows, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, V_FROM_K: tl.constexpr,
-    FP8: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
-    KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    FP8: tl.constexpr, FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, LAZY: tl.constexpr,
+    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
@@ -90,8 +117,16 @@ def _sparse_mla_mma_kernel(
     h_mask = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
+    if BLOCK_D == D:
+        q_mask = h_mask[:, None]
+    else:
+        q_mask = h_mask[:, None] & (offs_d[None, :] < D)
+    if BLOCK_DV == DV:
+        o_mask = h_mask[:, None]
+    else:
+        o_mask = h_mask[:, None] & (offs_v[None, :] < DV)
     q = tl.load(q_ptr + (bs * H + offs_h)[:, None] * D + offs_d[None, :],
-                mask=h_mask[:, None] & (offs_d[None, :] < D), other=0.0).to(KDTYPE)
+                mask=q_mask, other=0.0).to(KDTYPE)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -103,14 +138,30 @@ def _sparse_mla_mma_kernel(
         idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
-        k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, KDTYPE)
+        k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
+                          BF16_MATH, KDTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_tile = tl.max(s, axis=1)
+        if LAZY:
+            # rescale only when some head's max grew past the slack (first tile: always)
+            grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
+            if grow > 0:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i += tl.sum(p, axis=1)
+        else:
+            m_new = tl.maximum(m_i, m_tile)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         if V_FROM_K:
             if DV < BLOCK_D:
                 v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
@@ -119,9 +170,7 @@ def _sparse_mla_mma_kernel(
         else:
             v = tl.load(kv_ptr + rows[:, None] * D + offs_v[None, :],
                         mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0).to(KDTYPE)
-        acc = acc * alpha[:, None]
         acc = tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
-        m_i = m_new
 
     has = l_i > 0
     if SPLIT:
@@ -129,8 +178,7 @@ def _sparse_mla_mma_kernel(
         o = acc / tl.where(has, l_i, 1.0)[:, None]
         lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         prow = (bs * num_splits + sp) * H + offs_h
-        tl.store(opart_ptr + prow[:, None] * DV + offs_v[None, :], o,
-                 mask=h_mask[:, None] & (offs_v[None, :] < DV))
+        tl.store(opart_ptr + prow[:, None] * DV + offs_v[None, :], o, mask=o_mask)
         tl.store(lpart_ptr + prow, lse2, mask=h_mask)
     else:
         if HAS_SINK:
@@ -146,7 +194,7 @@ def _sparse_mla_mma_kernel(
                            float("-inf"))
         orow = bs * H + offs_h
         tl.store(out_ptr + orow[:, None] * DV + offs_v[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=h_mask[:, None] & (offs_v[None, :] < DV))
+                 mask=o_mask)
         tl.store(lse_ptr + orow, lse, mask=h_mask)
 
 
@@ -190,19 +238,43 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
 # Launcher: split heuristic, per-device configuration table, cached tuning
 # ----------------------------------------------------------------------------------------
 
-# Candidate (BLOCK_N, num_warps, num_stages) per (capability major, BLOCK_H). The first
-# entry is the untuned default. A [64, 512] fp32 accumulator needs 8 warps (128
-# registers a thread); Hopper/Blackwell datacenter parts have 227 KB of shared memory,
-# sm_80 164 KB, sm_120 99 KB, so the smaller parts get shallower pipelines.
-_CONFIGS = {
-    "big_smem": {64: [(32, 8, 2), (64, 8, 2), (32, 8, 3)],
-                 32: [(32, 4, 2), (64, 4, 2), (32, 8, 2)],
-                 16: [(32, 4, 2), (64, 4, 2), (32, 4, 3)]},
-    "small_smem": {64: [(32, 8, 1), (16, 8, 2), (32, 8, 2)],
-                   32: [(32, 4, 1), (32, 4, 2), (16, 4, 2)],
-                   16: [(32, 4, 1), (32, 4, 2), (16, 4, 2)]},
+class Config(NamedTuple):
+    """One launch configuration. ``block_h``: heads per program (capped by H; 64 stacks
+    all of DeepSeek-V4's heads, 32/16 give 2/4 programs per query that share each tile
+    through L2); ``lazy``: the LAZY rescale; ``splits``: 0 = :func:`plan_splits`, else the
+    number of split-KV ranges (1 = never split); ``fp8_hw``: the FP8 dequant path
+    (None: hardware conversion on sm_89+)."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_h: int = 64
+    lazy: bool = False
+    splits: int = 0
+    fp8_hw: bool | None = None
+
+
+# Measured winners per device name and workload class (see :func:`workload_class`), for
+# H >= 64, D = d_v = 512 with bf16/fp16 q. scripts/tune_sparse_mla.py prints these entries
+# from its sweep; paste them here. A class missing here falls back to timing the
+# capability's candidates on first use.
+DEVICE_TABLE: dict = {
+    # "NVIDIA H200": {("bf16", "large"): Config(32, 8, 2, 64, False, 0), ...},
 }
-_TUNED: dict = {}          # (device, workload key) -> (BLOCK_N, num_warps, num_stages)
+
+# Candidates timed on first use when the table has no entry, per shared-memory class
+# and head block. The first entry is the untuned default (used inside graph capture).
+# A [64, 512] fp32 accumulator needs 8 warps (128 registers a thread) or 16 (64);
+# Hopper/Blackwell datacenter parts have 227 KB of shared memory, sm_80 164 KB, sm_120
+# 99 KB, so the smaller parts get shallower pipelines.
+_CANDIDATES = {
+    "big_smem": {64: [Config(32, 8, 2), Config(64, 8, 2), Config(32, 8, 3)],
+                 32: [Config(32, 4, 2, 32), Config(64, 4, 2, 32), Config(32, 8, 2, 32)],
+                 16: [Config(32, 4, 2, 16), Config(64, 4, 2, 16), Config(32, 4, 3, 16)]},
+    "small_smem": {64: [Config(32, 8, 1), Config(16, 8, 2), Config(32, 8, 2)],
+                   32: [Config(32, 4, 1, 32), Config(32, 4, 2, 32), Config(16, 4, 2, 32)],
+                   16: [Config(32, 4, 1, 16), Config(32, 4, 2, 16), Config(16, 4, 2, 16)]},
+}
+_TUNED: dict = {}          # (device, workload key) -> Config
 _SM_COUNT: dict = {}
 INTERPRETER_BLOCK_N = 16   # small tiles in the interpreter so topk spans several of them
 SPLIT_ROWS_MULTIPLE = 64   # split ranges are multiples of every BLOCK_N candidate
@@ -228,8 +300,12 @@ def plan_splits(n_programs: int, topk: int, sm_count: int) -> tuple[int, int]:
     if n_programs >= 0.75 * sm_count:
         return 1, topk
     want = max(1, sm_count // n_programs)
-    most = max(1, topk // SPLIT_ROWS_MULTIPLE)
-    splits = min(want, most)
+    return _split_rows(min(want, max(1, topk // SPLIT_ROWS_MULTIPLE)), topk)
+
+
+def _split_rows(splits: int, topk: int) -> tuple[int, int]:
+    """At most ``splits`` ranges of a multiple of 64 slots covering topk."""
+    splits = max(1, min(int(splits), triton.cdiv(topk, SPLIT_ROWS_MULTIPLE)))
     if splits <= 1:
         return 1, topk
     rows = triton.cdiv(triton.cdiv(topk, splits), SPLIT_ROWS_MULTIPLE) * SPLIT_ROWS_MULTIPLE
@@ -237,9 +313,19 @@ def plan_splits(n_programs: int, topk: int, sm_count: int) -> tuple[int, int]:
     return (splits, rows) if splits > 1 else (1, topk)
 
 
+def workload_class(rows: int, fp8: bool) -> tuple[str, str]:
+    """The table's key for ``rows`` = B x S_q query positions: (kv format, size class)."""
+    size = "tiny" if rows <= 2 else "small" if rows <= 16 else "mid" if rows <= 64 else "large"
+    return ("fp8" if fp8 else "bf16", size)
+
+
+def _capability(device):
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
 def _candidates(device, block_h):
-    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
-    table = _CONFIGS["big_smem" if major in (9, 10) else "small_smem"]
+    major = _capability(device)[0] if device.type == "cuda" else 9
+    table = _CANDIDATES["big_smem" if major in (9, 10) else "small_smem"]
     return table[block_h]
 
 
@@ -248,34 +334,48 @@ def _bucket(x: int) -> int:
 
 
 def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=None,
-                   config=None, tune=True):
+                   config=None, tune=True, fp8_hw=None):
     """Launch the MMA kernel (and the combine kernel when split).
 
     q [B, S_q, H, D]; kv [N, D] in q's dtype, or uint8 [N, 584] with ``fp8``; indices int32
     [B, S_q, topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v] q.dtype, lse fp32).
-    ``num_splits`` and ``config`` = (BLOCK_N, num_warps, num_stages) override the plan.
+    ``num_splits`` and ``config`` (a :class:`Config` or a (BLOCK_N, num_warps,
+    num_stages, ...) tuple) override the plan; ``fp8_hw`` forces the FP8 dequant path
+    (default: the config's, else hardware conversion on sm_89+ and in the interpreter,
+    bit moves before).
     """
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
     interp = _is_interpreter()
-    out = torch.empty(B, S_q, H, d_v, dtype=q.dtype, device=dev)
-    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
-
-    block_h = min(64, max(16, triton.next_power_of_2(H)))
-    n_hblk = triton.cdiv(H, block_h)
-    block_d = max(16, triton.next_power_of_2(D))      # tl.dot needs K >= 16
     if fp8:
         assert D == FP8_DIM and kv.shape[-1] == FP8_ROW_BYTES
-    v_from_k = max(16, triton.next_power_of_2(d_v)) == block_d or fp8
-    block_dv = block_d if v_from_k else max(16, triton.next_power_of_2(d_v))
+    hw_default = interp or dev.type != "cuda" or _capability(dev) >= (8, 9)
+    h_cap = min(64, max(16, triton.next_power_of_2(H)))
+    if config is not None:
+        config = Config(*config)
+    elif interp or dev.type != "cuda":
+        config = Config(INTERPRETER_BLOCK_N, 4, 1, h_cap)
+    else:
+        key = workload_class(B * S_q, fp8)
+        entry = DEVICE_TABLE.get(torch.cuda.get_device_name(dev), {}).get(key)
+        if entry is not None and H >= 64 and D == 512 and d_v == 512 and q.dtype != torch.float32:
+            config = entry
+    block_h = min(config.block_h, h_cap) if config is not None else h_cap
+    n_hblk = triton.cdiv(H, block_h)
     n_prog = B * S_q * n_hblk
+    if num_splits is None and config is not None and config.splits:
+        num_splits = config.splits
     if num_splits is None:
         splits, split_rows = plan_splits(n_prog, topk, _sm_count(dev))
     else:
-        splits = max(1, min(int(num_splits), triton.cdiv(topk, SPLIT_ROWS_MULTIPLE)))
-        split_rows = triton.cdiv(triton.cdiv(topk, splits), SPLIT_ROWS_MULTIPLE) * SPLIT_ROWS_MULTIPLE
-        splits = triton.cdiv(topk, split_rows)
+        splits, split_rows = _split_rows(num_splits, topk)
+
+    out = torch.empty(B, S_q, H, d_v, dtype=q.dtype, device=dev)
+    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
+    block_d = max(16, triton.next_power_of_2(D))      # tl.dot needs K >= 16
+    v_from_k = max(16, triton.next_power_of_2(d_v)) == block_d or fp8
+    block_dv = block_d if v_from_k else max(16, triton.next_power_of_2(d_v))
     split = splits > 1
     if split:
         opart = torch.empty(B * S_q * splits * H * d_v, dtype=torch.float32, device=dev)
@@ -286,24 +386,23 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     kdtype = tl.float32 if (upcast or q.dtype == torch.float32) else \
         (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
     dot_prec = "ieee" if kdtype == tl.float32 else "tf32"
-    tune_key = _bucket(n_prog * splits) * 32 + _bucket(split_rows)
     grid = (n_prog * splits,)
 
     def launch(cfg):
-        bn, warps, stages = cfg
+        hw = fp8_hw if fp8_hw is not None else (cfg.fp8_hw if cfg.fp8_hw is not None else hw_default)
         _sparse_mla_mma_kernel[grid](
             q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
             H, topk, n_hblk, splits, split_rows, scale * LOG2E,
-            D=D, DV=d_v, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_N=bn,
-            V_FROM_K=v_from_k, FP8=fp8, HAS_SINK=sink is not None, SPLIT=split,
-            KDTYPE=kdtype, DOT_PREC=dot_prec, num_warps=warps, num_stages=stages)
+            D=D, DV=d_v, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            BLOCK_N=cfg.block_n, V_FROM_K=v_from_k, FP8=fp8, FP8_HW=bool(fp8 and hw),
+            BF16_MATH=kdtype == tl.bfloat16, LAZY=bool(cfg.lazy), HAS_SINK=sink is not None,
+            SPLIT=split, KDTYPE=kdtype, DOT_PREC=dot_prec,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is None:
-        if interp or dev.type != "cuda":
-            config = (INTERPRETER_BLOCK_N, 4, 1)
-        else:
-            config = _pick_config(dev, block_h, (block_h, D, d_v, fp8, split, str(q.dtype), tune_key),
-                                  launch, tune)
+        tune_key = _bucket(n_prog * splits) * 32 + _bucket(split_rows)
+        config = _pick_config(dev, block_h, (block_h, D, d_v, fp8, split, str(q.dtype), tune_key),
+                              launch, tune)
     launch(config)
     if split:
         _combine_kernel[(B * S_q * H,)](
@@ -316,7 +415,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
 
 def _pick_config(dev, block_h, key, launch, tune):
     """The cached winner for this workload bucket; times the candidates on first use
-    (never while a CUDA graph is being captured: then the table's default is used)."""
+    (never while a CUDA graph is being captured: then the first candidate is used)."""
     name = torch.cuda.get_device_name(dev)
     full = (name,) + key
     if full in _TUNED:

@@ -1,8 +1,9 @@
 """The dsv4lab command: run, report, bench, env, lab (in-process, on temporary folders)."""
 import json
 
-import nbformat
 import pytest
+
+nbformat = pytest.importorskip("nbformat")   # jupyter tooling is absent on some GPU hosts
 
 from dsv4lab import bench, cli, results
 
@@ -61,6 +62,11 @@ def fake_executed(dirpath):
         cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
         if err:
             cell.outputs.append(nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[]))
+        else:   # a widget with a static fallback, as dsv4lab.widgets.tour displays it
+            cell.outputs.append(nbformat.v4.new_output("display_data", data={
+                "application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                            "model_id": "0" * 32},
+                "text/plain": "AnatomyExplorer(...)", "text/html": "<p class='fallback-here'>static view</p>"}))
         nb.cells = [nbformat.v4.new_markdown_cell(f"# {name}"), cell]
         nbformat.write(nb, str(dirpath / f"{name}.ipynb"))
     summary = [
@@ -87,11 +93,18 @@ def test_report_on_a_fake_executed_dir(sandbox, capsys):
     assert sorted(links) == ["00_ok.html", "01_bad.html"]
     for link in links:
         assert (build / "html" / link).read_text().count("<html") >= 1
+    assert "fallback-here" in (build / "html" / "00_ok.html").read_text()
 
 
-def test_report_without_executed_notebooks(sandbox):
-    with pytest.raises(FileNotFoundError, match="dsv4lab run"):
-        cli.main(["report"])
+def test_report_without_executed_notebooks(sandbox, capsys):
+    """A clear message that says to run first (an exception or a non-zero exit)."""
+    try:
+        rc = cli.main(["report"])
+    except FileNotFoundError as e:
+        assert "dsv4lab run" in str(e)
+    else:
+        captured = capsys.readouterr()
+        assert rc != 0 and "dsv4lab run" in captured.out + captured.err
 
 
 def test_env(capsys):

@@ -207,6 +207,25 @@ def test_sweep_shapes(B, S, page, max_pages, topk, dt, seed, data):
     check_topk(indexer_topk(*args, topk=topk, backend="triton"), ref, args[5], topk, tol, own)
 
 
+# non-default launch shapes of the logits kernel (what scripts/tune_indexer.py sweeps)
+CONFIG_VARIANTS = [
+    dict(block_d=None, contiguous=True, programs_per_sm=1),     # runs of tiles, few splits
+    dict(block_d=None, contiguous=False, programs_per_sm=64),   # more splits than tiles
+    dict(block_d=16, contiguous=True, programs_per_sm=3),       # head dim in two chunks
+]
+
+
+@pytest.mark.parametrize("config", CONFIG_VARIANTS)
+def test_config_variants(config):
+    args = make(B=3, S=2, max_pages=5, ctx=[[0, 5], [17, 80], [64, 33]], q_dtype=BF16, seed=7)
+    ref = reference_logits(*args, 80)
+    own = K.indexer_logits(*args, 80, config=config)
+    assert_logits_close(own, ref, tol_for(BF16, FP8, args[0].device))
+    # top-k skips scoring rows with n <= topk; the longer rows are still exact
+    check_topk(K.indexer_topk(*args, 80, 20, config=config), ref, args[5], 20,
+               tol_for(BF16, FP8, args[0].device), own)
+
+
 def test_to_cache_slots():
     bt = torch.tensor([[5, 2, 7], [0, 1, 3]], dtype=torch.int32)
     idx = torch.tensor([[[0, 15, 16, 40, -1]], [[47, -1, 3, 17, 32]]], dtype=torch.int32)
@@ -309,6 +328,26 @@ def test_gpu_full_shape_logits_and_topk(q_dtype, k_dtype, S):
     assert_logits_close(own, ref, tol)
     idx = indexer_topk(*args, topk=512, backend="triton")
     check_topk(idx, ref, args[5], 512, tol, own)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config,q_dtype,k_dtype", [
+    (CONFIG_VARIANTS[0], FP8, FP8), (CONFIG_VARIANTS[1], FP8, FP8),
+    (dict(block_n=256, num_warps=8), FP8, FP8), (dict(block_n=64, num_stages=4), FP8, FP8),
+    (CONFIG_VARIANTS[0], BF16, FP8), (CONFIG_VARIANTS[2], F32, FP8)])
+def test_gpu_config_variants(config, q_dtype, k_dtype):
+    """Launch shapes the tuner sweeps (the tuner also checks each against the reference)."""
+    B, page, max_pages = 5, 64, 24
+    L = page * max_pages
+    args = make(B=B, S=1, H=64, D=128, page=page, max_pages=max_pages,
+                ctx=[[0], [1], [700], [L], [513]], q_dtype=q_dtype, k_dtype=k_dtype,
+                device="cuda", seed=11)
+    ref = reference_logits(*args, L)
+    tol = tol_for(q_dtype, k_dtype, "cuda")
+    own = K.indexer_logits(*args, L, config=config)
+    assert_logits_close(own, ref, tol)
+    check_topk(K.indexer_topk(*args, L, 512, config=config), ref, args[5], 512, tol, own)
 
 
 @pytest.mark.gpu

@@ -186,6 +186,48 @@ def test_prefill_config_and_torch_align_path(monkeypatch):
     assert_close(out, ref, torch.float32)
 
 
+VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=32),
+            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT2=2)]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_triton_variants_mixed_scales(fmt, cfg):
+    # the tuning variants (CUDA-core tiny-M path, split-K, tile sizes) on rows whose block
+    # scales span 2**-20..1: MXFP4 folds 2**(s - smax) into fp16 weights per K-step
+    from dsv4lab.kernels import moe as kmoe
+    E, H, I, T, k = 2, 64, 64, 3, 2
+    g = torch.Generator().manual_seed(7)
+    w13 = torch.randn(E, 2 * I, H // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, 2 * I, H // 32, 1), generator=g).float())
+    w2 = torch.randn(E, H, I // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, H, I // 32, 1), generator=g).float())
+    w13, w2 = w13.flatten(-2), w2.flatten(-2)
+    if fmt == "mxfp4":
+        (a, b), (c, d) = mxfp4_quantize(w13), mxfp4_quantize(w2)
+        ex = dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw={})
+    else:
+        (a, b, g1), (c, d, g2) = nvfp4_quantize(w13), nvfp4_quantize(w2)
+        ex = dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw=dict(w13_global=g1, w2_global=g2))
+    x = torch.randn(T, H, generator=g)
+    ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
+    ids[1, 1] = -1
+    ref = run_moe(x, ex, ids, w, fmt, None, "torch")
+    kw = {n: v.reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
+                         swiglu_limit=None, config=cfg, **kw)
+    assert_close(out, ref, torch.float32)
+
+
+def test_triton_bad_config():
+    from dsv4lab.kernels import moe as kmoe
+    ex = make_experts(2, 32, 32, "mxfp4")
+    args = (torch.randn(2, 32), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="BM >= 16"):
+        kmoe.fused_moe(*args, config=dict(BM=4, USE_DOT=True))
+    with pytest.raises(ValueError, match="unknown keys"):
+        kmoe.fused_moe(*args, config=dict(BLOCK=4))
+
+
 @settings(max_examples=10, deadline=None)
 @given(P=st.integers(1, 200), E=st.integers(1, 40), BM=st.sampled_from([16, 64]),
        hole=st.floats(0, 0.5), seed=st.integers(0, 100))
@@ -307,6 +349,8 @@ def test_gpu_cuda_graph_capture_decode(fmt):
     # the decode path never asks the host: capture once, replay with new routing
     E, H, I, k, T = 16, 1024, 512, 6, 4
     ex = make_experts(E, H, I, fmt, device="cuda", scale=0.05)
+    cpu_globals = dict(ex["kw"])                 # nvfp4_quantize returns CPU global scales
+    ex["kw"] = {n: g.cuda() for n, g in ex["kw"].items()}   # moved once, at "load time"
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
     run_moe(x, ex, ids, w, fmt, 10.0, "triton")   # compile outside the capture
@@ -323,3 +367,8 @@ def test_gpu_cuda_graph_capture_decode(fmt):
     torch.cuda.synchronize()
     ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
     assert_close(out, ref, torch.bfloat16)
+    if fmt == "nvfp4":   # a CPU global scale cannot be copied inside a capture: clear error
+        bad = dict(ex, kw=cpu_globals)
+        with pytest.raises(ValueError, match="being captured"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                run_moe(x, bad, ids, w, fmt, 10.0, "triton")

@@ -146,6 +146,48 @@ def test_mma_split_kv_matches_unsplit(splits, sink):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("block_h, splits", [(16, 0), (64, 1), (16, 3)])
+def test_mma_config_variants(lazy, block_h, splits):
+    """Every launch-configuration knob the tuner sweeps gives the reference's answer:
+    the lazy rescale (large scores so the running max moves several times), head blocks
+    smaller than H (H = 20: two blocks, one partial), forced split counts."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    q, kv, idx, snk = make_case(2, 2, 20, 32, 90, 150, dtype=torch.float32, sink=True,
+                                empty_rows=[(1, 0)], seed=block_h + splits)
+    q = q * 6.0
+    kv = kv * torch.linspace(0.1, 3.0, kv.shape[0])[:, None]   # later rows score higher
+    idx[0, 0] = torch.arange(150, dtype=torch.int32) % 90      # ascending: max keeps growing
+    scale = 32 ** -0.5
+    out, lse = sparse_mla_mma(q, kv, idx, snk, scale, 32,
+                              config=Config(16, 4, 1, block_h, lazy, splits))
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="torch")
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fp8_hw", [False, True])
+def test_mma_fp8_dequant_paths(fp8_hw):
+    """Both FP8 dequantisers (hardware e4m3 conversion, portable bit moves) agree with the
+    reference, including a block scaled far from 1 and a subnormal e4m3 value."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randn(40, 512, generator=g)
+    raw[3, :64] *= 1e-3                       # small scale
+    raw[5, 64:128] *= 300.0                   # large scale
+    raw[7, 0], raw[7, 1] = 1.0, 1e-3          # a subnormal after scaling
+    kv = pack_kv_fp8(raw)
+    q = torch.randn(2, 1, 16, 512, generator=g).to(torch.bfloat16) * 0.05
+    idx = torch.randint(0, 40, (2, 1, 33), generator=g, dtype=torch.int32)
+    idx[0, 0, :8] = torch.tensor([3, 5, 7, -1, 3, 5, 7, 0], dtype=torch.int32)
+    scale = 512 ** -0.5
+    out, lse = sparse_mla_mma(q, kv, idx, None, scale, 512, fp8=True, fp8_hw=fp8_hw,
+                              config=Config(16, 4, 1, 16, True, 0))
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "simt", "mma"])
 @pytest.mark.parametrize("sink", [False, True])
 def test_empty_rows(backend, sink):

@@ -141,7 +141,8 @@ def logits_and_dtypes(cfg) -> list[dict]:
                     q_dtype=DTYPE_NAMES[q_dt], k_dtype=DTYPE_NAMES[k_dt], dot=dot,
                     max_context_tokens=cfg["logits_actual_tokens"], max_context_entries=L,
                     actual_tokens=cfg["logits_actual_tokens"], actual_entries=actual,
-                    entries_scored=actual, recall_vs_fp32=hit, max_rel_logit_err=err, **t)
+                    entries_scored=actual, recall_vs_fp32=hit, max_rel_logit_err=err,
+                    kernel_config=K.logits_config(K.dot_mode(q_dt, k_dt, q.device), k_dt), **t)
         bench.with_roofline(row, bytes_moved=indexer_bytes(
             B, S, actual, heads=H, head_dim=D, key_bytes=k.element_size(),
             q_bytes=q.element_size(), page=cfg["page"]),

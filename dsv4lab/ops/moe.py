@@ -149,19 +149,31 @@ def _is_capturing(t: torch.Tensor) -> bool:
 
 
 def _scalar_or_per_expert(g, name: str, E: int, device) -> torch.Tensor:
-    """NVFP4 global scale: a float, 0-d or [E] fp32 tensor -> fp32 [E] on ``device``."""
-    if isinstance(g, (int, float)):
-        g = torch.tensor(float(g), dtype=torch.float32)
-    if not isinstance(g, torch.Tensor):
+    """NVFP4 global scale: a float, 0-d or [E] fp32 tensor -> fp32 [E] on ``device``.
+
+    Capturable: a Python float becomes a device fill, a device tensor a device copy. A CPU
+    tensor needs a host->device copy, which a CUDA graph cannot capture, so while capturing
+    it is refused with a ValueError (move the global scales to the GPU once, at load time).
+    """
+    device = torch.device(device)
+    if isinstance(g, bool) or not isinstance(g, (int, float, torch.Tensor)):
         raise ValueError(f"{name} must be given for fmt='nvfp4' (a float, 0-d or [E] fp32 tensor), "
                          f"got {type(g).__name__}")
+    if isinstance(g, (int, float)):
+        return torch.full((E,), float(g), dtype=torch.float32, device=device)
     if g.dtype != torch.float32:
         raise ValueError(f"{name} must be float32, got {g.dtype}")
     if g.dim() == 0 or (g.dim() == 1 and g.shape[0] == 1):
         g = g.reshape(1).expand(E)
     elif tuple(g.shape) != (E,):
         raise ValueError(f"{name} must be a scalar or [E={E}], got {list(g.shape)}")
-    return g.to(device).contiguous()
+    if g.device != device:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{name} is on {g.device} but x is on {device} and a CUDA graph is being "
+                             f"captured: a host->device copy cannot be captured; pass {name} as a "
+                             f"{device.type} tensor (or a Python float)")
+        g = g.to(device)
+    return g.contiguous()
 
 
 def check_fused_moe_args(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,

@@ -1,0 +1,175 @@
+"""One GPU sweep of the Triton FP4 MoE's variants at DeepSeek-V4-Flash's shape.
+
+    python3 scripts/tune_moe.py                # on the GPU: < 100 s incl. compiles
+    python3 scripts/tune_moe.py --dry-run      # tiny shape in the interpreter (CPU smoke)
+
+For every candidate config (tile sizes BM/BN/BK, split-K of the down projection,
+tensor-core dot vs CUDA-core multiply-reduce for tiny M, num_warps, num_stages), both
+formats and T in {1, 64} (then 8, 256 while the time budget lasts): CUDA-graph time,
+fraction of the FP4-bytes roofline, and a check against the fp32 torch reference (a
+wrong variant is flagged WRONG and never ranked). Candidates run in priority order; when
+the budget (--budget, seconds since start) runs out the rest are skipped, so the script
+always finishes in time. Prints a compact ranked table; writes every row to
+$OUT/tune_moe.json (or ./tune_moe.json without $OUT). Winners go into
+``CONFIGS`` in kernels/moe.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+T0 = time.time()
+
+import dsv4lab  # noqa: E402,F401  (sets TRITON_INTERPRET before triton is imported on a CPU)
+import torch  # noqa: E402
+
+from dsv4lab import bench, runtime  # noqa: E402
+from dsv4lab.benchmarks.moe import FLASH, _quantised_experts, _random_experts, fp4_bytes  # noqa: E402
+from dsv4lab.kernels import moe as kmoe  # noqa: E402
+from dsv4lab.ops import fused_moe, route  # noqa: E402
+
+LIMIT = 10.0
+TOL = 1.2e-2          # x is bf16-valued and the output is bf16: as tests/test_moe.py
+
+BASE = dict(BM=16, BN1=32, BN2=32, BK1=256, BK2=256, SPLIT2=1, USE_DOT=True, num_warps=4, num_stages=3)
+
+
+def _c(**kw):
+    return dict(BASE, **kw)
+
+
+# priority order: the most informative first (the budget may cut the tail)
+CANDIDATES = [
+    _c(),
+    _c(BN1=16, BN2=16),
+    _c(BN1=64, BN2=64),
+    _c(USE_DOT=False, BM=1, BK1=128, BK2=128),
+    _c(BK1=128, BK2=128),
+    _c(BK1=512, BK2=512),
+    _c(BN2=64, SPLIT2=2),
+    _c(num_warps=8),
+    _c(num_stages=1),
+    _c(USE_DOT=False, BM=1, BN1=64, BN2=64, BK1=64, BK2=64),
+    _c(USE_DOT=False, BM=2, BK1=128, BK2=128),
+    _c(BN1=16, BN2=64, SPLIT2=4),
+    _c(num_warps=2),
+    _c(num_stages=4),
+    _c(BM=32, BN1=64, BN2=64, BK1=128, BK2=128),
+    _c(USE_DOT=False, BM=1, BN1=16, BN2=16, BK1=256, BK2=256),
+]
+
+
+def short(cfg: dict) -> str:
+    d = dict(cfg)
+    kind = "dot" if d.pop("USE_DOT") else "fma"
+    return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
+            f"S{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="tiny shape, interpreter-friendly")
+    ap.add_argument("--budget", type=float, default=80.0, help="stop starting candidates after this many s")
+    ap.add_argument("--tokens", default="1,64,8,256", help="T values, in priority order")
+    args = ap.parse_args()
+    dev = runtime.device()
+    if args.dry_run:
+        shape = dict(E=8, H=64, I=64, topk=2)
+        tokens = (1, 4)
+        cands = [_c(BK1=64, BK2=64), _c(USE_DOT=False, BM=1, BK1=32, BK2=32), _c(BN2=16, SPLIT2=2, BK2=32)]
+        gen_cpu = torch.Generator().manual_seed(0)
+        experts = {f: _quantised_experts(shape["E"], shape["H"], shape["I"], f, dev, gen_cpu)
+                   for f in ("mxfp4", "nvfp4")}
+    else:
+        if not torch.cuda.is_available():
+            print("tune_moe: no CUDA GPU (use --dry-run for the CPU smoke)")
+            return 2
+        shape = FLASH
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+        cands = CANDIDATES
+        gen = torch.Generator(device=dev).manual_seed(0)
+        experts = {f: _random_experts(shape["E"], shape["H"], shape["I"], f, dev, gen) for f in ("mxfp4", "nvfp4")}
+    E, H, I, k = shape["E"], shape["H"], shape["I"], shape["topk"]
+    for ex in experts.values():       # globals on the device once (graph capture needs it)
+        ex["kw"] = {n: v.to(dev).reshape(-1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    gen = torch.Generator(device=dev).manual_seed(1)
+    cases = {}
+    for T in tokens:
+        ids, w = route(torch.randn(T, E, device=dev, generator=gen),
+                       torch.randn(E, device=dev, generator=gen) * 0.1, topk=k)
+        x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+        hit = int(torch.unique(ids).numel())
+        refs = {}
+        for fmt, ex in experts.items():
+            refs[fmt] = fused_moe(x.float(), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                                  fmt=fmt, swiglu_limit=LIMIT, backend="torch", **ex["kw"]).float()
+        cases[T] = dict(ids=ids, w=w, x=x, hit=hit, refs=refs)
+    print(f"tune_moe: {runtime.versions() if hasattr(runtime, 'versions') else ''}")
+    print(f"shape {shape}; setup {time.time() - T0:.1f} s; {len(cands)} candidates, budget {args.budget:.0f} s")
+    rows, skipped = [], []
+    time_kw = dict(warmup_ms=3, rep_ms=15) if not args.dry_run else {}
+    for ci, cfg in enumerate(cands):
+        for fmt, ex in experts.items():
+            if time.time() - T0 > args.budget:
+                skipped.append((ci, fmt))
+                continue
+            for T in tokens:
+                c = cases[T]
+                row = dict(cand=ci, cfg=short(cfg), config=cfg, fmt=fmt, T=T, experts_hit=c["hit"])
+
+                def run(ex=ex, fmt=fmt, c=c, cfg=cfg):
+                    return kmoe.fused_moe(c["x"], ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                                          c["ids"], c["w"], fmt=fmt, swiglu_limit=LIMIT, config=cfg,
+                                          **ex["kw"])
+                t1 = time.time()
+                try:
+                    out = run().float()
+                    ref = c["refs"][fmt]
+                    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                    row.update(err=err, ok=bool(err <= TOL))
+                    timing = bench.time_graph(run, **time_kw) if not args.dry_run else bench.time_fn(run, cpu_reps=1)
+                    row.update(timing)
+                    bench.with_roofline(row, bytes_moved=fp4_bytes(c["hit"], H, I, fmt),
+                                        flops=2.0 * c["ids"].numel() * 3 * H * I)
+                except Exception as exc:      # a config that does not compile/launch: record, go on
+                    row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                row["wall_s"] = round(time.time() - t1, 2)
+                rows.append(row)
+                us = row.get("ms", float("nan")) * 1e3
+                print(f"  [{time.time() - T0:5.1f}s] #{ci:<2} {fmt:<5} T={T:<4} {us:9.1f} us "
+                      f"frac {row.get('roofline_fraction', 0):.3f} err {row.get('err', float('nan')):.1e} "
+                      f"{'' if row['ok'] else 'WRONG/ERROR '}{row.get('error', '')} {row['cfg']}", flush=True)
+    # ---- the ranked table: per (T, fmt) best first; then the NVFP4 / MXFP4 ratio
+    print("\nranked (ok rows only; us = CUDA-graph median):")
+    print(f"{'T':>4} {'fmt':<6} {'us':>9} {'frac':>6}  config")
+    best = {}
+    for T in tokens:
+        for fmt in experts:
+            good = sorted((r for r in rows if r["T"] == T and r["fmt"] == fmt and r["ok"] and "ms" in r),
+                          key=lambda r: r["ms"])
+            for r in good[:4]:
+                print(f"{T:>4} {fmt:<6} {r['ms'] * 1e3:9.1f} {r.get('roofline_fraction', 0):6.3f}  #{r['cand']} {r['cfg']}")
+            if good:
+                best[(T, fmt)] = good[0]
+    for T in tokens:
+        if (T, "mxfp4") in best and (T, "nvfp4") in best:
+            print(f"T={T}: best nvfp4/mxfp4 = {best[(T, 'nvfp4')]['ms'] / best[(T, 'mxfp4')]['ms']:.2f}")
+    wrong = [r for r in rows if not r["ok"]]
+    print(f"{len(rows)} rows, {len(wrong)} wrong/error, skipped (budget): {skipped or 'none'}; "
+          f"{time.time() - T0:.1f} s")
+    out_dir = os.environ.get("OUT") or "."
+    path = os.path.join(out_dir, "tune_moe.json")
+    with open(path, "w") as f:
+        json.dump(dict(shape=shape, tokens=list(tokens), dry_run=args.dry_run,
+                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       triton=__import__("triton").__version__, torch=torch.__version__,
+                       rows=rows, skipped=skipped, wall_s=time.time() - T0), f, indent=1, default=str)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
