@@ -99,8 +99,14 @@ def registered() -> dict[str, Benchmark]:
     return dict(_BENCHMARKS)
 
 
-def run(name: str, *, smoke: bool = False, record: bool = True) -> list[dict]:
-    """Run benchmark ``name``; append its rows to data/results/<name>.jsonl when ``record``."""
+def run(name: str, *, smoke: bool = False, record: bool | None = None) -> list[dict]:
+    """Run benchmark ``name``; append its rows to data/results/<name>.jsonl when ``record``.
+
+    ``record`` defaults to ``not smoke``: smoke rows (tiny shapes, often the interpreter)
+    say nothing a reader should plot, so they are only kept when asked for.
+    """
+    if record is None:
+        record = not smoke
     table = registered()
     if name not in table:
         raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(sorted(table))}")

@@ -94,7 +94,11 @@ def cmd_run(args) -> int:
 
 def cmd_report(args) -> int:
     from dsv4lab import report
-    index = report.build_report(BUILD / "notebooks", BUILD / "html")
+    try:
+        index = report.build_report(BUILD / "notebooks", BUILD / "html")
+    except FileNotFoundError as e:  # nothing executed yet
+        print(f"dsv4lab report: {e} (run 'dsv4lab run' first)", file=sys.stderr)
+        return 1
     print(f"report: {index}")
     return 0
 
@@ -111,9 +115,10 @@ def cmd_bench(args) -> int:
         return 2
     for name in names:
         t0 = time.perf_counter()
-        rows = bench.run(name, smoke=args.smoke, record=not args.no_record)
+        record = not args.no_record and (args.record or not args.smoke)
+        rows = bench.run(name, smoke=args.smoke, record=record)
         print(f"bench {name}: {len(rows)} rows in {time.perf_counter() - t0:.1f} s"
-              + ("" if args.no_record else " (recorded)"))
+              + (" (recorded)" if record else " (not recorded)"))
     return 0
 
 
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="+", help="benchmark names, or 'all'")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     p.add_argument("--no-record", action="store_true", help="print only; do not append rows")
+    p.add_argument("--record", action="store_true", help="also record --smoke rows (not recorded by default)")
     sub.add_parser("env", help="device and versions")
     sub.add_parser("train", help="train the mini model (dsv4lab train --help)", add_help=False)
     sub.add_parser("lab", help="start JupyterLab on the notebooks (dsv4lab lab --help)", add_help=False)

@@ -304,18 +304,25 @@ def dot_mode(q_dtype, k_dtype, device) -> int:
 # (the grid is (rows, splits) with splits = floor(programs_per_sm * SMs / rows), from the
 # shapes only), contiguous (each split takes a run of tiles, else every splits-th tile),
 # fp32_precision ("ieee" or "tf32x3", the fp32 path's tl.dot). scripts/tune_indexer.py
-# sweeps these on a GPU and prints a replacement table.
+# sweeps these on a GPU and prints a replacement table; check_logits_config says which
+# values compile.
+# Winners of the 2026-11-29 H200 sweep (sm_90, triton 3.6; B=64, 32,768 entries a row):
+# fp8 x fp8 88.9 us (0.76 of the HBM roofline), bf16 q x fp8 k 168 us, bf16 x bf16
+# 162 us, fp32 q (IEEE dot, CUDA cores) 2.9 ms. 3xTF32 ran the fp32 path in 0.51 ms
+# within 1e-4, but the fp32 row is kept IEEE on purpose (exact fp32 math).
 LOGITS_CONFIGS = {
-    ("fp8", "*"): dict(block_n=128, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
+    ("fp8", "*"): dict(block_n=128, block_d=None, num_warps=4, num_stages=2, programs_per_sm=8,
                        contiguous=False, fp32_precision="ieee"),
-    ("bf16", "fp8"): dict(block_n=128, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
-                          contiguous=False, fp32_precision="ieee"),
+    ("bf16", "fp8"): dict(block_n=64, block_d=None, num_warps=4, num_stages=4,
+                          programs_per_sm=12, contiguous=False, fp32_precision="ieee"),
     ("bf16", "*"): dict(block_n=64, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
                         contiguous=False, fp32_precision="ieee"),
-    ("fp32", "*"): dict(block_n=32, block_d=16, num_warps=4, num_stages=2, programs_per_sm=8,
+    ("fp32", "*"): dict(block_n=64, block_d=16, num_warps=4, num_stages=2, programs_per_sm=8,
                         contiguous=False, fp32_precision="ieee"),
 }
 _DTYPE_KEY = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_CONFIG_FIELDS = ("block_n", "block_d", "num_warps", "num_stages", "programs_per_sm",
+                  "contiguous", "fp32_precision")
 
 
 def logits_config(mode: int, k_dtype) -> dict:
@@ -323,6 +330,50 @@ def logits_config(mode: int, k_dtype) -> dict:
     dot = DOT_NAMES[mode]
     key = _DTYPE_KEY.get(k_dtype, "*")
     return dict(LOGITS_CONFIGS.get((dot, key)) or LOGITS_CONFIGS[(dot, "*")])
+
+
+def _pow2(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+
+
+def gpu_dot_modes(q_dtype, k_dtype) -> list:
+    """Every dot mode these operand dtypes can take on a CUDA GPU (sm_80 .. sm_120)."""
+    rank = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}
+    r = max(rank[q_dtype], rank[k_dtype])
+    return [[DOT_FP8, DOT_BF16], [DOT_BF16], [DOT_FP32]][r]
+
+
+def check_logits_config(cfg: dict, mode: int) -> None:
+    """Raise ValueError unless ``cfg`` compiles for dot mode ``mode`` on every CUDA target.
+
+    The interpreter accepts any shape, the compiler does not: NVIDIA ``tl.dot`` needs a
+    reduction (K) side of at least 16 (32 for the 8-bit e4m3 x e4m3 dot), so a head-dim
+    chunk ``block_d`` below that fails to compile on sm_80/90/120 (the 2026-11-29 sweep's
+    block_d=8 fp32 candidates did). Block sizes are powers of two (``tl.arange``);
+    ``block_n`` >= 16 keeps every dot's M side at an MMA tile.
+    """
+    unknown = set(cfg) - set(_CONFIG_FIELDS)
+    if unknown:
+        raise ValueError(f"config: unknown field(s) {sorted(unknown)}; expected {_CONFIG_FIELDS}")
+    if not (_pow2(cfg["block_n"]) and cfg["block_n"] >= 16):
+        raise ValueError(f"config block_n: expected a power of two >= 16, got {cfg['block_n']!r}")
+    bd = cfg["block_d"]
+    min_k = 32 if mode == DOT_FP8 else 16
+    if bd is not None and not (_pow2(bd) and bd >= min_k):
+        raise ValueError(
+            f"config block_d: expected None or a power of two >= {min_k} (tl.dot's K side "
+            f"for the {DOT_NAMES[mode]} dot), got {bd!r}")
+    if not (_pow2(cfg["num_warps"]) and cfg["num_warps"] <= 32):
+        raise ValueError(f"config num_warps: expected 1..32, a power of two, got "
+                         f"{cfg['num_warps']!r}")
+    if not (isinstance(cfg["num_stages"], int) and cfg["num_stages"] >= 1):
+        raise ValueError(f"config num_stages: expected an int >= 1, got {cfg['num_stages']!r}")
+    if not (isinstance(cfg["programs_per_sm"], int) and cfg["programs_per_sm"] >= 1):
+        raise ValueError(f"config programs_per_sm: expected an int >= 1, got "
+                         f"{cfg['programs_per_sm']!r}")
+    if cfg["fp32_precision"] not in ("ieee", "tf32", "tf32x3"):
+        raise ValueError(f"config fp32_precision: expected 'ieee', 'tf32' or 'tf32x3', got "
+                         f"{cfg['fp32_precision']!r}")
 
 
 def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L,
@@ -349,6 +400,7 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
     H_PAD = max(16, triton.next_power_of_2(H))
     D_PAD = max(32, triton.next_power_of_2(D))
     cfg = dict(logits_config(mode, k_cache.dtype), **(config or {}))
+    check_logits_config(cfg, mode)
     BLOCK_N = cfg["block_n"]
     if _interpreting(q.device):
         BLOCK_N = 16

@@ -71,8 +71,8 @@ CANDIDATES = sorted([
     _c("fp8", 1, 128, 4, 2, 12),
     _c("fp8", 1, 256, 8, 3, 6),
     _c("fp8", 1, 256, 8, 2, 8),
-    _c("fp32q", 1, 64, 4, 2, 8, block_d=8),
-    _c("fp32q", 1, 32, 4, 2, 8, block_d=8),
+    _c("fp32q", 1, 128, 8, 2, 8, block_d=16),    # block_d < 16 cannot compile (tl.dot K)
+    _c("fp32q", 1, 64, 8, 2, 8, block_d=32),
     _c("bf16q", 1, 128, 8, 3, 8),
     _c("bf16", 1, 128, 4, 3, 8),
     _c("fp8", 2, 128, 4, 3, 32),
@@ -163,6 +163,20 @@ def build_inputs(shape, paths):
     return out
 
 
+def check_candidates(procs=()):
+    """Every candidate must pass the kernel's compile rules before any GPU time is spent."""
+    dt = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
+    for c in CANDIDATES:
+        qd, kd = PATHS[c["path"]]
+        try:
+            for mode in K.gpu_dot_modes(dt[qd], dt[kd]):
+                K.check_logits_config(c["config"], mode)
+        except ValueError as e:
+            for p in procs:
+                p.kill()
+            sys.exit(f"tune_indexer: candidate {cfg_name(c)} ({c['path']}): {e}")
+
+
 def compile_worker(args):
     setup()
     shape = DRY if args.dry_run else FULL
@@ -211,6 +225,7 @@ def main():
         return
     procs = spawn_workers(args)
     setup()
+    check_candidates(procs)
     dry = args.dry_run
     if not dry and not runtime.has_cuda():
         sys.exit("tune_indexer: no CUDA GPU (use --dry-run for the interpreter)")

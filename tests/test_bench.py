@@ -56,10 +56,20 @@ def test_registry_and_run_records(rdir, toy_bench):
     name, calls = toy_bench
     assert name in bench.registered()
     assert bench.registered()[name].description == "a toy benchmark"
-    rows = bench.run(name, smoke=True)
+    rows = bench.run(name, smoke=True, record=True)
     assert calls == [True] and rows[0]["smoke"] is True and rows[0]["n"] == 4
     (rec,) = results.load(name)
     assert rec["n"] == 4 and rec["smoke"] is True and rec["commit"] == "test"
+
+
+def test_smoke_rows_not_recorded_by_default(rdir, toy_bench):
+    name, calls = toy_bench
+    rows = bench.run(name, smoke=True)
+    assert calls == [True] and rows[0]["smoke"] is True
+    assert results.load(name) == []
+    bench.run(name, smoke=False)
+    (rec,) = results.load(name)
+    assert rec["smoke"] is False
 
 
 def test_run_without_record(rdir, toy_bench):

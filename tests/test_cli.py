@@ -129,9 +129,13 @@ def test_bench_runs_and_records(tmp_path, monkeypatch, capsys):
     try:
         assert cli.main(["bench", name, "--smoke"]) == 0
         assert f"bench {name}: 1 rows" in capsys.readouterr().out
+        assert results.load(name) == []            # smoke rows are not recorded unless asked
+        assert cli.main(["bench", name, "--smoke", "--record"]) == 0
         assert results.load(name)[0]["smoke_arg"] is True
         assert cli.main(["bench", name, "--no-record"]) == 0
         assert len(results.load(name)) == 1
+        assert cli.main(["bench", name]) == 0
+        assert results.load(name)[-1]["smoke_arg"] is False
     finally:
         bench._BENCHMARKS.pop(name, None)
 

@@ -15,6 +15,8 @@ Top-k sets are compared through the scores they select (ties may pick either ent
 """
 import dsv4lab  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -224,6 +226,42 @@ def test_config_variants(config):
     # top-k skips scoring rows with n <= topk; the longer rows are still exact
     check_topk(K.indexer_topk(*args, 80, 20, config=config), ref, args[5], 20,
                tol_for(BF16, FP8, args[0].device), own)
+
+
+def test_every_shipped_and_swept_config_compiles_on_gpu_targets():
+    """The interpreter runs any tile shape; the CUDA compiler does not (tl.dot needs K >= 16,
+    >= 32 for 8-bit operands). check_logits_config encodes those rules: every
+    LOGITS_CONFIGS entry, for every operand pair and dot that can select it, and every
+    candidate of scripts/tune_indexer.py must pass; the launcher rejects the rest before
+    any kernel runs (the 2026-11-29 sweep's block_d=8 fp32 configs failed to compile)."""
+    import importlib.util
+    import pathlib
+    assert K.gpu_dot_modes(FP8, FP8) == [K.DOT_FP8, K.DOT_BF16]
+    assert K.gpu_dot_modes(BF16, FP8) == [K.DOT_BF16] and K.gpu_dot_modes(FP8, F32) == [K.DOT_FP32]
+    for q_dt, k_dt in itertools.product((FP8, BF16, F32), repeat=2):
+        for mode in K.gpu_dot_modes(q_dt, k_dt) + [K.DOT_FP32]:   # + the interpreter's
+            K.check_logits_config(K.logits_config(mode, k_dt), mode)
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_indexer.py"
+    spec = importlib.util.spec_from_file_location("tune_indexer", path)
+    tuner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tuner)
+    tuner.setup()
+    tuner.check_candidates()                        # sys.exit with the reason on a bad one
+    assert len(tuner.CANDIDATES) > 10
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(block_d=8), "block_d"), (dict(block_d=24), "block_d"), (dict(block_n=8), "block_n"),
+    (dict(block_n=96), "block_n"), (dict(num_warps=3), "num_warps"),
+    (dict(fp32_precision="tf32x9"), "fp32_precision"), (dict(programs_per_sm=0), "programs_per_sm"),
+    (dict(blockn=64), "unknown")])
+def test_bad_launch_config_rejected_before_the_kernel(bad, field):
+    args = make(B=2, S=1, ctx=[[10], [20]], q_dtype=F32)
+    with pytest.raises(ValueError, match=field):
+        K.indexer_logits(*args, 64, config=bad)
+    with pytest.raises(ValueError, match="block_d"):  # an e4m3 x e4m3 dot needs K >= 32
+        K.check_logits_config(dict(K.LOGITS_CONFIGS[("fp8", "*")], block_d=16), K.DOT_FP8)
+    K.check_logits_config(dict(K.LOGITS_CONFIGS[("fp8", "*")], block_d=16), K.DOT_BF16)
 
 
 def test_to_cache_slots():

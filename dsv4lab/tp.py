@@ -1,0 +1,957 @@
+"""Tensor parallelism for one DeepSeek-V4 decoder layer, and where its all-reduce goes.
+
+The campaign served DeepSeek-V4-Flash with tensor parallelism (TP) over PCIe GPUs and found
+NCCL's all-reduce at the PCIe floor, 23% of the step. This module shards one real-size
+layer (:class:`dsv4lab.model.Block`) across the ranks of a ``torch.distributed`` group,
+times its decode step component by component, measures the all-reduce's bandwidth, and
+models the same step analytically over PCIe Gen5 and NVLink.
+
+How the layer is split (:class:`TPLayer`; ``n`` = world size, ``r`` = this rank):
+
+- attention: the 64 query heads split into ``n`` contiguous blocks; rank r keeps the rows
+  of ``wq_b`` for its heads, their sinks, and the output groups those heads feed (heads
+  are grouped contiguously, so ``o_groups`` must be a multiple of ``n``): its slice of
+  ``wo_a`` and the matching input columns of ``wo_b`` (a row-parallel projection). The
+  q LoRA (``wq_a``, ``q_norm``), the **shared latent KV** (``wkv``, ``kv_norm``, the KV
+  cache), the compressor and the lightning indexer are replicated: every rank writes the
+  same cache and reads all of it for its own heads (MQA: the KV bytes do not shrink with
+  TP). Each rank's attention output is a partial sum -> **all-reduce #1**.
+- MoE: the router is replicated (every rank routes every token identically); the routed
+  experts split into ``n`` contiguous blocks (expert parallelism inside the TP group): a
+  rank runs ``ops.fused_moe`` over its experts only, with the other experts' ids set to
+  -1 (skipped). The shared expert is split on its intermediate dimension (gate/up rows,
+  down columns; SwiGLU is elementwise, so no communication inside). Routed + shared
+  partial sums -> **all-reduce #2**.
+- mHC (the hyper-connection mixing), the norms and the residual streams are replicated.
+
+Everything else is :mod:`dsv4lab.model` and :mod:`dsv4lab.step` code: the layers come from
+:class:`dsv4lab.step.StepDriver` (random real-size weights, paged caches sized for the max
+context) and are broadcast from rank 0, so every rank holds the same weights and caches.
+With world size 1 the same code runs with no process group and no all-reduce.
+
+Process groups: backend ``"nccl"`` on GPUs, ``"gloo"`` on the CPU (tests). NVLink
+multicast (NVLS) is never used: :func:`init` sets ``NCCL_NVLS_ENABLE=0`` before NCCL starts.
+
+Timing (:func:`profile`): the step (one layer of each kind the driver built) with a mark
+after each component; on GPUs captured as one CUDA graph with timing events between the
+components, NCCL all-reduces inside the graph (falls back to eager events, on every rank
+at once, when capture fails); on the CPU wall-clock marks. Medians over replays per rank,
+then the mean over ranks. An all-reduce's time includes waiting for the slowest rank: that
+wait is part of what TP costs. Components (:data:`COMPONENTS`): ``mhc``, ``qkv``,
+``compressor``, ``indexer``, ``attention``, ``out_proj``, ``allreduce_attn``, ``moe``,
+``allreduce_moe``; a 43-layer step is extrapolated as in :func:`dsv4lab.step.extrapolate`
+(head and embedding excluded).
+
+All-reduce bandwidth (:func:`allreduce_sweep`): a fixed number of back-to-back
+``dist.all_reduce`` calls between two CUDA events, the same count on every rank (an
+adaptive timer such as ``triton.testing.do_bench`` picks its repetition count per rank
+from a first estimate, and ranks that disagree deadlock inside NCCL), the max over ranks.
+``algbw = bytes / t``; ``busbw = algbw * 2(n-1)/n`` (the bytes each link carries in a
+ring, nccl-tests' convention), set against NVLink's datasheet.
+
+The analytic model (:func:`allreduce_time`, :func:`analytic_step`). Assumptions:
+
+1. A ring all-reduce of ``B`` bytes over ``n`` ranks moves ``2(n-1)/n * B`` bytes over
+   each link, one direction at a time, at the link's per-direction bandwidth; its time is
+   ``latency + 2(n-1)/n * B / bandwidth`` with ``latency = base + 2(n-1) * hop`` (the
+   ring's 2(n-1) steps). ``n = 1`` costs nothing.
+2. Links (:data:`LINKS`): PCIe Gen5 x16, 64 GB/s per direction nominal (the campaign's
+   RTX PRO 6000 box; GPUs talk through the host's root complex, no NVLink); NVLink 4 on
+   H200, 900 GB/s bidirectional in the datasheet = 450 GB/s per direction. Bandwidth is
+   nominal (a floor on the time); the latency terms (``base`` 8 us, ``hop`` 1 us PCIe /
+   0.5 us NVLink) are this workbook's assumptions, of the order of NCCL's own tuning
+   model for small ring all-reduces (LL protocol); they dominate decode-sized messages.
+3. Per layer two all-reduces of ``concurrency * hidden`` bf16 values (the attention
+   output and the MoE output, before the mHC mixing); nothing overlaps them with compute.
+4. Compute per rank from :func:`dsv4lab.anatomy.step_anatomy` on the box's GPU with
+   ``num_heads / n`` heads and ``o_groups / n`` groups (attention FLOPs and query bytes,
+   q-up and output projections shrink; the shared-KV bytes and the replicated q LoRA, KV,
+   compressor, indexer projections and router do not); routed MoE, shared expert and LM
+   head (vocab-parallel; its logits gather left out) divided by ``n``; indexer and mHC
+   replicated. Every component at its roofline, as in ``anatomy``.
+
+Run it: ``torchrun --nproc-per-node 4 -m dsv4lab.tp --concurrency 1,8,64 --out rows.json``;
+``dsv4lab bench tp`` launches TP 1, 2, 4 (as many as the GPUs allow) and records the rows.
+Explained in notebooks/06_decode_step_at_scale.ipynb ("Tensor parallelism: where the
+all-reduce goes").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dsv4lab import anatomy, ops, roofline, runtime
+from dsv4lab import model as M
+from dsv4lab import step as S
+from dsv4lab.config import DSV4Config
+
+COMPONENTS = ("mhc", "qkv", "compressor", "indexer", "attention", "out_proj", "allreduce_attn",
+              "moe", "allreduce_moe")
+GROUPS = OrderedDict([
+    ("attention", ("attention",)),
+    ("indexer", ("indexer",)),
+    ("MoE", ("moe",)),
+    ("all-reduce", ("allreduce_attn", "allreduce_moe")),
+    ("projections", ("qkv", "compressor", "out_proj")),
+    ("mHC", ("mhc",)),
+])
+ACT_BYTES = 2                      # bf16 activations (the all-reduce payload)
+
+# TP output vs world size 1, relative L2 error (same weights, caches and backends; only
+# the order of summation differs). fp32: the split sums of wo_b / experts / shared expert
+# reassociate fp32 additions (~1e-7 relative a term). bf16: every rank rounds its partial
+# sum to bf16 (2^-9 relative) before the bf16 all-reduce, which rounds again per ring step;
+# the residual streams, identical on both sides, dominate a layer's output.
+TOL_FP32 = 1e-4
+TOL_BF16 = 2e-2
+
+TORCH_PRESET = S.StepConfig(name="torch", attention="torch", indexer="torch_fallback",
+                            indexer_dtype="fp32", kv_cache="bf16", moe="torch",
+                            note="the fp32 torch references of every op (CPU runs)")
+
+
+def _nomark(component):
+    return None
+
+
+# ======================================================================================
+# Process group
+# ======================================================================================
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits: rank, world size, device, backend (None: no group)."""
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None
+
+    @property
+    def group(self):
+        return None       # the default group (one TP group spans the whole world)
+
+
+def init(backend: str | None = None) -> Dist:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK) or, without
+    those variables, run alone (world size 1, no group).
+
+    ``backend`` defaults to "nccl" with CUDA and "gloo" without. ``NCCL_NVLS_ENABLE=0`` is
+    set first: NVLink multicast is never used.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    cuda = runtime.has_cuda()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and not cuda:
+        raise ValueError("backend 'nccl' needs CUDA GPUs; use 'gloo' on the CPU")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Dist(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if backend == "nccl":
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s) visible")
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return Dist(rank, world, local, device, backend)
+
+
+def all_reduce(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Sum ``t`` over the ranks in place (nothing at world size 1); returns ``t``."""
+    if d.world > 1:
+        dist.all_reduce(t, group=d.group)
+    return t
+
+
+def broadcast_tensors(tensors, d: Dist, src: int = 0):
+    """Make every rank's copy of ``tensors`` equal rank ``src``'s (bytes, any dtype)."""
+    if d.world == 1:
+        return
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(-1)
+        if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+            raise ValueError("broadcast_tensors needs contiguous tensors")
+        dist.broadcast(flat.view(torch.uint8), src, group=d.group)
+
+
+# ======================================================================================
+# The sharded layer
+# ======================================================================================
+
+def check_divisible(cfg: DSV4Config, world: int) -> None:
+    """ValueError naming the first size that ``world`` ranks cannot split evenly."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    for name, v in (("num_heads", cfg.num_heads), ("o_groups", cfg.o_groups),
+                    ("n_routed_experts", cfg.n_routed_experts),
+                    ("moe_intermediate_size * n_shared_experts",
+                     cfg.moe_intermediate_size * max(1, cfg.n_shared_experts))):
+        if v % world:
+            raise ValueError(f"{name} ({v}) is not divisible by the TP world size ({world})")
+
+
+class TPLayer(nn.Module):
+    """Rank ``rank``'s shard of a :class:`dsv4lab.model.Block` (module docstring).
+
+    Built from a full block (the same weights on every rank); the sharded weights are
+    copied out and, unless ``keep_full``, the full ones are freed (the forward never reads
+    them). ``forward(x, tokens, meta, cache, backends, mark)`` is
+    ``Block.forward_decode`` with the two all-reduces; ``mark(component)`` closes a
+    timing segment; ``taps`` receives the attention input/output and the MoE input/output.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+
+    def __init__(self, blk: M.Block, d: Dist, *, keep_full: bool = False):
+        super().__init__()
+        cfg = blk.attn.cfg
+        check_divisible(cfg, d.world)
+        self.blk, self.dist = blk, d
+        n, r = d.world, d.rank
+        attn, moe = blk.attn, blk.moe
+        H, D, G, R = cfg.num_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
+        self.n_heads, self.o_groups = H // n, G // n
+        h0, g0 = r * self.n_heads, r * self.o_groups
+        take = lambda t, dim, a, b: t.detach().narrow(dim, a, b - a).clone()  # noqa: E731
+        self.register_buffer("wq_b", take(attn.wq_b.weight, 0, h0 * D, (h0 + self.n_heads) * D))
+        self.register_buffer("sink", take(attn.attn_sink, 0, h0, h0 + self.n_heads))
+        self.register_buffer("wo_a", take(attn.wo_a, 0, g0, g0 + self.o_groups))
+        self.register_buffer("wo_b", take(attn.wo_b.weight, 1, g0 * R, (g0 + self.o_groups) * R))
+        # routed experts: a contiguous block per rank
+        E = moe.n_experts
+        self.n_experts = E // n
+        self.expert0 = r * self.n_experts
+        self.fmt = moe.fmt
+        names = ["w13", "w2"] + (["w13_scale", "w2_scale"] if moe.fmt != "bf16" else []) \
+            + (["w13_global", "w2_global"] if moe.fmt == "nvfp4" else [])
+        self._expert_names = names
+        for name in names:
+            t = getattr(moe, name)
+            if t.dim() == 0:                      # a global scale shared by all experts
+                self.register_buffer(name, t.detach().clone())
+            else:
+                self.register_buffer(name, take(t, 0, self.expert0, self.expert0 + self.n_experts))
+        # shared expert: split on the intermediate dimension
+        self.has_shared = moe.shared is not None
+        if self.has_shared:
+            I = moe.shared.w2.weight.shape[1]
+            Il = I // n
+            w13 = moe.shared.w13.weight
+            self.register_buffer("s_w13", torch.cat([take(w13, 0, r * Il, (r + 1) * Il),
+                                                     take(w13, 0, I + r * Il, I + (r + 1) * Il)]))
+            self.register_buffer("s_w2", take(moe.shared.w2.weight, 1, r * Il, (r + 1) * Il))
+        if not keep_full:
+            self._free_full()
+
+    def _free_full(self):
+        attn, moe = self.blk.attn, self.blk.moe
+        empty = lambda t: torch.empty(0, dtype=t.dtype, device=t.device)  # noqa: E731
+        attn.wq_b.weight = nn.Parameter(empty(attn.wq_b.weight), requires_grad=False)
+        attn.wo_b.weight = nn.Parameter(empty(attn.wo_b.weight), requires_grad=False)
+        attn.wo_a = nn.Parameter(empty(attn.wo_a), requires_grad=False)
+        attn.attn_sink = nn.Parameter(empty(attn.attn_sink), requires_grad=False)
+        for name in self._expert_names:
+            t = getattr(moe, name)
+            if t.dim():
+                setattr(moe, name, empty(t) if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+                        else nn.Parameter(empty(t), requires_grad=False))
+        if self.has_shared:
+            moe.shared.w13.weight = nn.Parameter(empty(moe.shared.w13.weight), requires_grad=False)
+            moe.shared.w2.weight = nn.Parameter(empty(moe.shared.w2.weight), requires_grad=False)
+
+    # ---- attention ------------------------------------------------------------------
+    def _out(self, o, pos):
+        """This rank's heads [.., H/n, D] -> its partial sum of the output [.., d]."""
+        attn = self.blk.attn
+        o = M.rope_tail(o, pos, attn.rope_dim, attn.cfg.rope_theta, inverse=True, heads=True)
+        o = o.flatten(-2).unflatten(-1, (self.o_groups, -1))
+        o = torch.einsum("...gk,gok->...go", o, self.wo_a.to(o.dtype))
+        return F.linear(o.flatten(-2), self.wo_b.to(o.dtype))
+
+    # ---- MoE ------------------------------------------------------------------------
+    def _route(self, x, tokens):
+        """The replicated router: exactly ``MoE.forward_decode``'s routing."""
+        moe = self.blk.moe
+        cfg = moe.cfg
+        logits = moe.gate(x).float()
+        if moe.hashed:
+            if M._is_capturing(x):
+                ids = moe.tid2eid[tokens.long()]
+                w = F.softplus(logits).sqrt().gather(1, ids.long()) if cfg.score_func == "sqrtsoftplus" \
+                    else logits.sigmoid().gather(1, ids.long())
+                w = (w / w.sum(-1, keepdim=True).clamp_min(1e-20) * cfg.routed_scaling_factor).float()
+                return ids, w
+            return ops.hash_route(tokens.reshape(-1), moe.tid2eid, logits, score=cfg.score_func,
+                                  routed_scaling_factor=cfg.routed_scaling_factor)
+        return ops.route(logits, moe.bias, topk=moe.topk, score=cfg.score_func,
+                         routed_scaling_factor=cfg.routed_scaling_factor)
+
+    def moe_partial(self, x, tokens, backends: dict | None = None):
+        """x [T, d] -> this rank's partial MoE output [T, d] (its experts + its slice of the
+        shared expert)."""
+        backends = backends or {}
+        moe = self.blk.moe
+        ids, w = self._route(x, tokens)
+        ids = ids.long()
+        local = (ids >= self.expert0) & (ids < self.expert0 + self.n_experts)
+        lids = torch.where(local, ids - self.expert0, torch.full_like(ids, -1))
+        if self.fmt == "bf16":
+            combine = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=torch.float32)
+            combine.scatter_add_(1, lids.clamp_min(0), torch.where(local, w.float(), torch.zeros_like(w.float())))
+            h = torch.einsum("nd,efd->nef", x, self.w13.to(x.dtype))
+            a = M.swiglu(h, moe.limit) * combine.unsqueeze(-1).to(h.dtype)
+            y = torch.einsum("nei,edi->nd", a, self.w2.to(a.dtype))
+        else:
+            kw = dict(w13_global=self.w13_global, w2_global=self.w2_global) if self.fmt == "nvfp4" else {}
+            y = ops.fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, lids.int(), w,
+                              fmt=self.fmt, swiglu_limit=moe.limit,
+                              backend=backends.get("fused_moe", "auto"), **kw)
+        if self.has_shared:
+            y = y + F.linear(M.swiglu(F.linear(x, self.s_w13.to(x.dtype)), moe.limit), self.s_w2.to(x.dtype))
+        return y.to(x.dtype)
+
+    # ---- the layer ------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, x, tokens, meta: M.DecodeMeta, cache: M.LayerCache, backends: dict | None = None,
+                mark: Callable = _nomark, taps: dict | None = None):
+        """x [B, S, n, d], tokens [B, S] -> x [B, S, n, d] (the same on every rank)."""
+        be = backends or {}
+        blk, attn = self.blk, self.blk.attn
+        cfg = attn.cfg
+        y, post, comb = blk.hc_attn.pre(x)
+        mark("mhc")
+        h = blk.attn_norm(y)
+        if taps is not None:
+            taps["attn_in"] = h
+        pos = meta.positions
+        qr = attn.q_norm(attn.wq_a(h))
+        q = F.linear(qr, self.wq_b.to(qr.dtype)).unflatten(-1, (self.n_heads, attn.head_dim))
+        q = M.rope_tail(M.rms_norm(q, None, cfg.rms_norm_eps), pos, attn.rope_dim, cfg.rope_theta, heads=True)
+        kv = M.rope_tail(attn.kv_norm(attn.wkv(h)), pos, attn.rope_dim, cfg.rope_theta)
+        kv_flat = cache.kv if cache.fp8 else M._flat(cache.kv)
+        attn._write(kv_flat, meta.slots, kv, cache.fp8)
+        mark("qkv")
+        parts = [meta.window]
+        if attn.ratio:
+            r = attn.ratio
+            ckv, cgate = attn.compressor.project(h)
+            M._flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
+            M._flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
+            bs = meta.block_slots[r]
+            ent = attn.compressor.pool(M._flat(cache.comp_kv)[bs], M._flat(cache.comp_gate)[bs],
+                                       meta.entry_pos[r])
+            attn._write(kv_flat, meta.entry_slot[r], ent, cache.fp8)
+            mark("compressor")
+            if attn.indexer is not None:
+                parts.append(attn._select(h, qr, meta, cache, be))
+                mark("indexer")
+            else:
+                parts.append(meta.all_entries[r])
+        idx = torch.cat(parts, dim=-1).int()
+        o, _ = ops.sparse_mla_decode(
+            q.to(h.dtype).contiguous(), cache.kv, idx, d_v=attn.head_dim, softmax_scale=attn.scale,
+            attn_sink=self.sink.float(), backend=be.get("sparse_mla_decode", "auto"))
+        mark("attention")
+        a = self._out(o.to(h.dtype), pos).contiguous()
+        mark("out_proj")
+        all_reduce(a, self.dist)
+        mark("allreduce_attn")
+        if taps is not None:
+            taps["attention"] = a
+        x = M.HyperConnection.post(a, x, post, comb)
+        y, post, comb = blk.hc_ffn.pre(x)
+        mark("mhc")
+        B, S_, d = y.shape
+        m_in = blk.ffn_norm(y).reshape(B * S_, d)
+        m = self.moe_partial(m_in, tokens.reshape(-1), be).contiguous()
+        mark("moe")
+        all_reduce(m, self.dist)
+        mark("allreduce_moe")
+        if taps is not None:
+            taps["moe_in"], taps["moe"] = m_in, m
+        x = M.HyperConnection.post(m.view(B, S_, d), x, post, comb)
+        mark("mhc")
+        return x
+
+
+# ======================================================================================
+# The driver: layers, caches, the step, its timing
+# ======================================================================================
+
+def model_config(name: str) -> DSV4Config:
+    """"flash" (real size), "mini", or "tiny" (:func:`dsv4lab.model.tiny_config`)."""
+    if name == "flash":
+        return DSV4Config.flash()
+    if name == "mini":
+        return DSV4Config.mini()
+    if name == "tiny":
+        return M.tiny_config()
+    raise ValueError(f"model must be 'flash', 'mini' or 'tiny', got {name!r}")
+
+
+def step_config(name: str, cfg: DSV4Config, max_context: int | None = None) -> S.StepConfig:
+    """A :mod:`dsv4lab.step` preset by name, or "torch" (the references), for ``cfg``."""
+    sc = TORCH_PRESET if name == "torch" else S.preset(name)
+    if max_context is not None:
+        sc = sc.replace(max_context=max_context)
+    return sc.for_model(cfg)
+
+
+class TPDriver:
+    """The real-size layers of :class:`dsv4lab.step.StepDriver` (one per attention kind),
+    identical on every rank (broadcast from rank 0) and sharded into :class:`TPLayer`.
+
+    ``kinds`` picks the compress ratios built (default all of the config's);
+    ``dtype`` float32 casts the float weights and caches (exact CPU checks);
+    ``keep_full`` keeps the unsharded weights for :meth:`reference`.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+
+    def __init__(self, cfg: DSV4Config, d: Dist, *, kinds=None, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, keep_full: bool = False):
+        check_divisible(cfg, d.world)
+        self.cfg, self.dist, self.dtype = cfg, d, dtype
+        self.driver = S.StepDriver(cfg, device=d.device, seed=seed, with_head=False)
+        if kinds is not None:
+            missing = [k for k in kinds if k not in self.driver.layers]
+            if missing:
+                raise ValueError(f"kinds {missing} not in this config's compress ratios "
+                                 f"{sorted(self.driver.layers)}")
+            self.driver.layers = OrderedDict((k, v) for k, v in self.driver.layers.items() if k in kinds)
+            self.driver.layer_ids = OrderedDict((k, v) for k, v in self.driver.layer_ids.items() if k in kinds)
+        for blk in self.driver.layers.values():
+            if dtype != torch.bfloat16:
+                M.to_dtype(blk, dtype)
+            broadcast_tensors(list(blk.parameters()) + list(blk.buffers()), d)
+        self.layers = OrderedDict((r, TPLayer(blk, d, keep_full=keep_full))
+                                  for r, blk in self.driver.layers.items())
+
+    def prepare(self, sc: S.StepConfig, *, batch: int, context: int, seed: int = 1) -> S.StepState:
+        """The step's caches and inputs (:meth:`dsv4lab.step.StepDriver.prepare`), the same
+        on every rank."""
+        st = self.driver.prepare(sc, batch=batch, context=context, seed=seed)
+        if self.dtype != torch.bfloat16:
+            st.x = st.x.to(self.dtype)
+            for c in st.caches.values():
+                for f in ("kv", "comp_kv", "comp_gate", "idx_kv", "idx_gate"):
+                    t = getattr(c, f)
+                    if t is not None and t.dtype == torch.bfloat16:
+                        setattr(c, f, t.to(self.dtype))
+        ts = [st.x, st.tokens]
+        for c in st.caches.values():
+            ts += [c.kv, c.comp_kv, c.comp_gate, c.idx_kv, c.idx_gate, c.idx_keys, c.idx_scale]
+        broadcast_tensors(ts, self.dist)
+        return st
+
+    @torch.no_grad()
+    def run(self, st: S.StepState, mark: Callable = lambda r, c: None, taps: dict | None = None) -> dict:
+        """One step: every layer kind on ``st.x`` -> {ratio: output streams}."""
+        be = st.step.backends()
+        out = {}
+        for r, layer in self.layers.items():
+            t = {} if taps is not None else None
+            out[r] = layer(st.x, st.tokens, st.metas[r], st.caches[r], be, lambda c, r=r: mark(r, c), t)
+            if taps is not None:
+                taps[r] = t
+        return out
+
+    @torch.no_grad()
+    def reference(self, st: S.StepState, taps: dict) -> dict:
+        """World-size-1 references from the full weights (``keep_full=True``): per kind the
+        whole layer (``dsv4lab.step.layer_forward``) and, given the TP run's ``taps``, the
+        attention and MoE outputs on the same inputs. Returns {name: (ref, tp)}."""
+        be = st.step.backends()
+        pairs = {}
+        for r, layer in self.layers.items():
+            blk = layer.blk
+            if blk.attn.wq_b.weight.numel() == 0:
+                raise ValueError("reference() needs TPDriver(..., keep_full=True)")
+            t = taps[r]
+            ref_x = S.layer_forward(blk, st.x, st.tokens, st.metas[r], st.caches[r], be)
+            pairs[f"layer {r}"] = ref_x
+            pairs[f"attention {r}"] = (blk.attn.forward_decode(t["attn_in"], st.metas[r], st.caches[r], be),
+                                       t["attention"])
+            pairs[f"moe {r}"] = (blk.moe.forward_decode(t["moe_in"], st.tokens.reshape(-1), be), t["moe"])
+        return pairs
+
+
+def check(drv: TPDriver, st: S.StepState) -> dict:
+    """Relative L2 error of TP against world size 1, per kind: the layer's output streams,
+    the attention output and the MoE output (both after their all-reduce, against the full
+    modules on the same inputs). Needs ``keep_full=True``.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+    taps: dict = {}
+    out = drv.run(st, taps=taps)
+    pairs = drv.reference(st, taps)
+    errs = {}
+    for name, v in pairs.items():
+        if name.startswith("layer"):
+            r = int(name.split()[1])
+            errs[name] = S.rel_error(out[r], v)
+        else:
+            errs[name] = S.rel_error(v[1], v[0])
+    return errs
+
+
+def _gpu(d: Dist) -> bool:
+    return d.device.type == "cuda"
+
+
+def _agree(ok: bool, d: Dist) -> bool:
+    """True only if every rank says True."""
+    if d.world == 1:
+        return ok
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32,
+                     device=d.device if d.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _barrier(d: Dist):
+    if d.world > 1:
+        dist.barrier()
+
+
+def profile(drv: TPDriver, st: S.StepState, *, reps: int | None = None, graph: bool = True) -> dict:
+    """Time one step per component on this rank (module docstring).
+
+    Returns {"kind_ms": {ratio: {component: ms}}, "timing": how, "reps", "timing_note"?}.
+    Every rank calls it with the same arguments (the collectives must match).
+    """
+    d = drv.dist
+    if not _gpu(d):
+        reps = reps or 3
+        marks = S._Marks("wall")
+        samples = []
+        drv.run(st)                                    # warm-up
+        for _ in range(reps):
+            _barrier(d)
+            marks.begin()
+            drv.run(st, marks)
+            samples.append(marks.segments())
+        return _summarise(drv, samples, "cpu_wall" if not runtime.is_interpreter() else "interpreter_wall")
+    reps = reps or 10
+    torch.cuda.synchronize()
+    drv.run(st)                                        # compile, autotune, NCCL set-up
+    torch.cuda.synchronize()
+    note = ""
+    g = marks = None
+    ok = graph and st.step.capturable
+    if ok:
+        try:
+            marks = S._Marks("graph_events")
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                drv.run(st)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                marks.begin()
+                drv.run(st, marks)
+        except Exception as e:  # capture unsupported here: every rank falls back together
+            note = f"graph capture failed: {type(e).__name__}: {e}"[:300]
+            ok, g = False, None
+            torch.cuda.synchronize()
+    elif graph:
+        note = f"preset {st.step.name!r} cannot be captured: eager events"
+    ok = _agree(ok, d)
+    samples = []
+    if ok:
+        timing = "cuda_graph_events"
+        for _ in range(reps + 1):
+            _barrier(d)
+            g.replay()
+            torch.cuda.synchronize()
+            samples.append(marks.segments())
+        samples = samples[1:]
+        bad = any(not math.isfinite(ms) or ms < 0 for seg in samples for _, _, ms in seg)
+        if not _agree(not bad, d):
+            ok, note = False, "non-finite or negative event times from the graph: eager events"
+    del g
+    if not ok:
+        timing = "eager_events"
+        if graph and not note:
+            note = "graph capture failed on another rank: eager events"
+        marks = S._Marks("events")
+        samples = []
+        for _ in range(reps):
+            _barrier(d)
+            marks.begin()
+            drv.run(st, marks)
+            torch.cuda.synchronize()
+            samples.append(marks.segments())
+    res = _summarise(drv, samples, timing)
+    if note:
+        res["timing_note"] = note
+    return res
+
+
+def _summarise(drv, samples, timing):
+    acc: dict = {}
+    for seg in samples:
+        per: dict = {}
+        for layer, comp, ms in seg:
+            per[(layer, comp)] = per.get((layer, comp), 0.0) + ms
+        for k, v in per.items():
+            acc.setdefault(k, []).append(v)
+    med = {k: statistics.median(v) for k, v in acc.items()}
+    kind_ms = {r: {c: med.get((r, c), 0.0) for c in COMPONENTS} for r in drv.layers}
+    return {"kind_ms": kind_ms, "timing": timing, "reps": len(samples)}
+
+
+def gather(obj, d: Dist) -> list:
+    """Every rank's ``obj`` (picklable), in rank order."""
+    if d.world == 1:
+        return [obj]
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def step_row(drv: TPDriver, st: S.StepState, profiles: list[dict], *, errors: dict | None = None) -> dict:
+    """A result row from every rank's :func:`profile`: per component the mean over ranks,
+    extrapolated to the model's layers (head excluded); the all-reduce's share; the
+    NVLink/PCIe model of the same all-reduces."""
+    cfg, d, sc = drv.cfg, drv.dist, st.step
+    counts = S.layer_counts(cfg)
+    kinds = list(drv.layers)
+    kind_ms = {r: {c: statistics.fmean(p["kind_ms"][r][c] for p in profiles) for c in COMPONENTS}
+               for r in kinds}
+    row = {
+        "kind": "measured", "model": cfg.name, "tp": d.world, "backend": d.backend or "none",
+        "device": runtime.device_name() if _gpu(d) else "cpu",
+        "preset": sc.name, "attention": sc.attention, "indexer": sc.indexer, "kv_cache": sc.kv_cache,
+        "moe": sc.moe, "dtype": str(drv.dtype).replace("torch.", ""),
+        "concurrency": st.batch, "context": st.context, "max_context": sc.max_context,
+        "timing": profiles[0]["timing"], "reps": profiles[0]["reps"],
+        "layers_measured": {str(r): drv.driver.layer_ids[r] for r in kinds},
+        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    notes = sorted({p["timing_note"] for p in profiles if p.get("timing_note")})
+    if notes:
+        row["timing_note"] = "; ".join(notes)[:400]
+    full = all(r in kind_ms for r in counts)
+    weights = counts if full else {r: 1 for r in kinds}
+    row["extrapolated"] = bool(full)
+    row["layer_counts"] = {str(r): n for r, n in weights.items()}
+    for c in COMPONENTS:
+        row[f"ms_{c}"] = sum(n * kind_ms[r][c] for r, n in weights.items())
+    row["step_ms"] = sum(row[f"ms_{c}"] for c in COMPONENTS)
+    row["ms"] = row["step_ms"]
+    row["tokens_per_s"] = st.batch * 1e3 / row["step_ms"] if row["step_ms"] > 0 else None
+    row["head"] = "excluded"            # embedding and LM head are not in step_ms
+    row["allreduce_ms"] = row["ms_allreduce_attn"] + row["ms_allreduce_moe"]
+    row["allreduce_share"] = row["allreduce_ms"] / row["step_ms"] if row["step_ms"] > 0 else None
+    for r in kinds:
+        row[f"layer_ms_r{r}"] = sum(kind_ms[r].values())
+    row["components_by_kind"] = {str(r): v for r, v in kind_ms.items()}
+    row["rank_step_ms"] = [sum(n * sum(p["kind_ms"][r].values()) for r, n in weights.items()) for p in profiles]
+    nbytes = st.batch * cfg.hidden_size * ACT_BYTES
+    n_calls = 2 * sum(weights.values())
+    row["allreduce_bytes"] = nbytes
+    row["allreduce_calls"] = n_calls
+    for key, link in LINKS.items():
+        row[f"model_allreduce_ms_{key}"] = n_calls * allreduce_time(nbytes, d.world, link) * 1e3
+    if errors is not None:
+        row["check_rel_err"] = errors
+        row["check_tol"] = TOL_FP32 if drv.dtype == torch.float32 else TOL_BF16
+        row["check_ok"] = max(errors.values()) <= row["check_tol"]
+    return row
+
+
+# ======================================================================================
+# All-reduce bandwidth
+# ======================================================================================
+
+def _iters(nbytes: int) -> int:
+    return 100 if nbytes < (1 << 20) else (40 if nbytes < (16 << 20) else 10)
+
+
+def allreduce_sweep(sizes, d: Dist, *, dtype=torch.bfloat16, trials: int = 3) -> list[dict]:
+    """Measured all-reduce time and bandwidth for each message size (bytes), max over ranks.
+
+    A fixed count of back-to-back all-reduces between two events (the same on every rank;
+    module docstring), the median of ``trials``. Rows: bytes, us, algbw_gbs, busbw_gbs,
+    against NVLink's datasheet and the analytic model. Every rank calls it.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+    rows = []
+    esize = torch.tensor([], dtype=dtype).element_size()
+    for nbytes in sizes:
+        numel = max(1, int(nbytes) // esize)
+        nb = numel * esize
+        if d.world == 1:
+            rows.append({"kind": "allreduce", "tp": 1, "bytes": nb, "us": 0.0, "algbw_gbs": None,
+                         "busbw_gbs": None, "note": "world size 1: no all-reduce"})
+            continue
+        buf = torch.randn(numel, device=d.device).to(dtype)
+        n_it = _iters(nb)
+        times = []
+        for _ in range(2):
+            dist.all_reduce(buf)
+        for _ in range(trials):
+            _barrier(d)
+            if _gpu(d):
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(n_it):
+                    dist.all_reduce(buf)
+                b.record()
+                torch.cuda.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / n_it)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(n_it):
+                    dist.all_reduce(buf)
+                times.append((time.perf_counter() - t0) * 1e6 / n_it)
+            # (the sums may overflow to inf over the iterations: NCCL's time does not depend on values)
+        us = statistics.median(times)
+        t = torch.tensor([us], dtype=torch.float64)
+        if d.backend == "nccl":
+            t = t.to(d.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        us = float(t.item())
+        alg = nb / (us * 1e-6) / 1e9
+        bus = alg * ring_factor(d.world)
+        model_us = allreduce_time(nb, d.world, NVLINK_H200) * 1e6
+        rows.append({
+            "kind": "allreduce", "tp": d.world, "backend": d.backend, "bytes": nb,
+            "dtype": str(dtype).replace("torch.", ""), "iters": n_it, "us": us,
+            "algbw_gbs": alg, "busbw_gbs": bus,
+            "device": runtime.device_name() if _gpu(d) else "cpu",
+            "timing": "cuda_events_fixed_count" if _gpu(d) else "cpu_wall_fixed_count",
+            "nvlink_datasheet_gbs": NVLINK_H200.bidirectional / 1e9,
+            "nvlink_per_direction_gbs": NVLINK_H200.bandwidth / 1e9,
+            "busbw_fraction_nvlink": bus * 1e9 / NVLINK_H200.bandwidth,
+            "model_nvlink_us": model_us, "measured_over_model": us / model_us if model_us else None,
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        })
+    return rows
+
+
+# ======================================================================================
+# The analytic model
+# ======================================================================================
+
+@dataclass(frozen=True)
+class Link:
+    """A GPU-GPU link for the ring model (module docstring, assumptions 1-2)."""
+    name: str
+    bandwidth: float          # bytes/s per direction
+    bidirectional: float      # bytes/s both directions (the datasheet's headline)
+    base_latency: float       # s per all-reduce
+    hop_latency: float        # s per ring step
+    device: str               # the GPU of the box (a roofline.DEVICES key)
+    source: str
+
+
+PCIE_GEN5 = Link("PCIe Gen5 x16", 64e9, 128e9, 8e-6, 1.0e-6, "RTX PRO 6000 Blackwell",
+                 "PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b = 63 GB/s, '64 GB/s per direction' "
+                 "nominal; the campaign's RTX PRO 6000 box (no NVLink). Latencies: assumed.")
+NVLINK_H200 = Link("NVLink 4 (H200)", 450e9, 900e9, 8e-6, 0.5e-6, "H200",
+                   "NVIDIA H200 SXM datasheet: NVLink 900 GB/s (both directions) = 450 GB/s per "
+                   "direction. Latencies: assumed.")
+LINKS = OrderedDict([("pcie", PCIE_GEN5), ("nvlink", NVLINK_H200)])
+
+
+def ring_factor(n: int) -> float:
+    """Bytes a ring all-reduce moves over each link per byte of message: 2(n-1)/n."""
+    if n < 1:
+        raise ValueError(f"world size must be >= 1, got {n}")
+    return 2.0 * (n - 1) / n
+
+
+def allreduce_time(nbytes: float, n: int, link: Link) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` over ``n`` ranks on ``link``:
+    ``base + 2(n-1) * hop + 2(n-1)/n * nbytes / bandwidth`` (0 when n == 1).
+    Explained in notebooks/06_decode_step_at_scale.ipynb."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    if n == 1:
+        return 0.0
+    return link.base_latency + 2 * (n - 1) * link.hop_latency + ring_factor(n) * nbytes / link.bandwidth
+
+
+ANALYTIC_GROUPS = ("attention", "indexer", "MoE", "all-reduce", "projections", "mHC", "LM head + embedding")
+_SHARDED_BY_N = ("routed MoE", "shared expert", "LM head + embedding")
+
+
+def analytic_step(cfg: DSV4Config, *, tp: int, concurrency: int, context: int, link: Link | str = "pcie",
+                  device: str | None = None, max_context: int | None = None,
+                  weight_format: str = "mxfp4", indexer: str = "triton") -> dict:
+    """One TP decode step of the whole model at the roofline plus ring all-reduces
+    (module docstring, assumptions 1-4). ``link`` a :class:`Link` or a :data:`LINKS` key;
+    ``device`` defaults to the link's box. Returns ms per group (``ms_<group>``),
+    ``step_ms``, ``tokens_per_s`` and ``allreduce_share``.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+    link = LINKS[link] if isinstance(link, str) else link
+    check_divisible(cfg, tp)
+    spec = roofline.device_spec(device or link.device)
+    rank_cfg = cfg.replace(num_heads=cfg.num_heads // tp, o_groups=cfg.o_groups // tp)
+    rows = anatomy.step_anatomy(rank_cfg, concurrency=concurrency, context=context, max_context=max_context,
+                                weight_format=weight_format, indexer=indexer, device=spec)
+    ms = {g: 0.0 for g in ANALYTIC_GROUPS}
+    for r in rows:
+        s = r["roofline_s"] / (tp if r["group"] in _SHARDED_BY_N else 1)
+        g = {"routed MoE": "MoE", "shared expert": "MoE"}.get(r["group"], r["group"])
+        ms[g] += s * 1e3
+    nbytes = concurrency * cfg.hidden_size * ACT_BYTES
+    calls = 2 * cfg.num_layers
+    ms["all-reduce"] = calls * allreduce_time(nbytes, tp, link) * 1e3
+    step_ms = sum(ms.values())
+    out = {"kind": "analytic", "model": cfg.name, "tp": tp, "concurrency": concurrency, "context": context,
+           "link": link.name, "link_gbs_per_direction": link.bandwidth / 1e9, "device": spec.name,
+           "weight_format": weight_format, "indexer": indexer, "allreduce_bytes": nbytes,
+           "allreduce_calls": calls, "step_ms": step_ms, "tokens_per_s": concurrency * 1e3 / step_ms,
+           "allreduce_share": ms["all-reduce"] / step_ms,
+           # does a rank hold its share of the routed experts? (the rest of the weights is small)
+           "expert_gb_per_rank": anatomy.model_summary(cfg, weight_format=weight_format)["routed_expert_bytes"] / tp / 1e9,
+           "device_memory_gb": spec.memory_bytes / 1e9}
+    out.update({f"ms_{g}": v for g, v in ms.items()})
+    return out
+
+
+def analytic_rows(cfg: DSV4Config | None = None, *, tps=(1, 2, 4), concurrencies=(1, 8, 64),
+                  context: int = 512, links=("pcie", "nvlink")) -> list[dict]:
+    """:func:`analytic_step` over a grid (the rows ``dsv4lab bench tp`` records)."""
+    cfg = cfg or DSV4Config.flash()
+    return [analytic_step(cfg, tp=n, concurrency=c, context=context, link=k)
+            for k in links for n in tps for c in concurrencies]
+
+
+# ======================================================================================
+# The torchrun entry
+# ======================================================================================
+
+def format_row(row: dict) -> str:
+    """One line per row (measured step, all-reduce, analytic)."""
+    k = row.get("kind")
+    if k == "measured":
+        sh = " ".join(f"{g[:6]} {sum(row[f'ms_{c}'] for c in cs):8.3f}" for g, cs in GROUPS.items())
+        chk = ""
+        if "check_rel_err" in row:
+            chk = f"  check max err {max(row['check_rel_err'].values()):.1e} ({'ok' if row['check_ok'] else 'FAIL'})"
+        return (f"TP{row['tp']} {row['preset']:8s} c{row['concurrency']:<3d} ctx {row['context']:>6,} "
+                f"step {row['step_ms']:9.3f} ms  [{sh}]  all-reduce {100 * (row['allreduce_share'] or 0):4.1f}% "
+                f"(NVLink model {row['model_allreduce_ms_nvlink']:.3f} ms) [{row['timing']}]{chk}")
+    if k == "allreduce":
+        if row.get("busbw_gbs") is None:
+            return f"TP{row['tp']} all-reduce {row['bytes']:>11,} B  {row.get('note', '')}"
+        return (f"TP{row['tp']} all-reduce {row['bytes']:>11,} B  {row['us']:9.1f} us  algbw "
+                f"{row['algbw_gbs']:7.1f} GB/s  busbw {row['busbw_gbs']:7.1f} GB/s "
+                f"({100 * row['busbw_fraction_nvlink']:5.1f}% of NVLink 450/dir)  model {row['model_nvlink_us']:.1f} us")
+    if k == "analytic":
+        return (f"model {row['link']:16s} TP{row['tp']} c{row['concurrency']:<3d} step {row['step_ms']:8.3f} ms "
+                f"{row['tokens_per_s']:9.1f} tok/s  all-reduce {row['ms_all-reduce']:.3f} ms "
+                f"({100 * row['allreduce_share']:4.1f}%)")
+    return str(row)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``torchrun --nproc-per-node N -m dsv4lab.tp [options]``: see ``--help``."""
+    p = argparse.ArgumentParser(prog="python -m dsv4lab.tp", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="flash (default on GPUs), mini (default on the CPU), tiny")
+    p.add_argument("--preset", default=None, help="a dsv4lab.step preset (default 'after' on GPUs) or 'torch' "
+                   "(the references; default on the CPU)")
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--context", type=int, default=None, help="tokens per request (default 512; mini 40)")
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--kinds", default=None, help="compress ratios to build, e.g. 4 (default: all)")
+    p.add_argument("--backend", default=None, choices=("nccl", "gloo"))
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--check", action="store_true", help="compare with world size 1 (keeps the full weights)")
+    p.add_argument("--no-timing", action="store_true", help="skip the step timing (with --check: check only)")
+    p.add_argument("--allreduce-sizes", default=None,
+                   help="bytes, comma-separated (default: the step's messages + 1 MiB..256 MiB on GPUs)")
+    p.add_argument("--out", default=None, help="write the rows (JSON list) here (rank 0)")
+    a = p.parse_args(argv)
+
+    d = init(a.backend)
+    t0 = time.perf_counter()
+    gpu = _gpu(d)
+    cfg = model_config(a.model or ("flash" if gpu else "mini"))
+    sc = step_config(a.preset or ("after" if gpu else "torch"), cfg, a.max_context)
+    context = a.context or (512 if cfg.hidden_size >= 1024 else 40)
+    concs = _ints(a.concurrency)
+    kinds = _ints(a.kinds) if a.kinds else None
+    dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
+    drv = TPDriver(cfg, d, kinds=kinds, dtype=dtype, keep_full=a.check)
+    say = (lambda *x: print(*x, flush=True)) if d.rank == 0 else (lambda *x: None)
+    say(f"tp: {cfg.name} TP{d.world} backend {d.backend or 'none (single process)'} on "
+        f"{runtime.device_name() if gpu else 'cpu'}; layers {dict(drv.driver.layer_ids)}; preset {sc.name}; "
+        f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}; built in {time.perf_counter() - t0:.1f} s")
+    rows = []
+    for c in concs:
+        st = drv.prepare(sc, batch=c, context=context)
+        errors = None
+        if a.check:
+            errors = check(drv, st)
+            st = drv.prepare(sc, batch=c, context=context)    # fresh caches for the timing
+        if a.no_timing:
+            prof = {"kind_ms": {r: {k: 0.0 for k in COMPONENTS} for r in drv.layers}, "timing": "none", "reps": 0}
+        else:
+            prof = profile(drv, st, reps=a.reps)
+        profs = gather(prof, d)
+        if d.rank == 0:
+            row = step_row(drv, st, profs, errors=errors)
+            rows.append(row)
+            say(format_row(row))
+        del st
+        if gpu:
+            torch.cuda.empty_cache()
+    if a.allreduce_sizes:
+        sizes = _ints(a.allreduce_sizes)
+    else:
+        sizes = sorted({c * cfg.hidden_size * ACT_BYTES for c in concs}
+                       | ({1 << 20, 16 << 20, 64 << 20, 256 << 20} if gpu else {1 << 16}))
+    ar = allreduce_sweep(sizes, d)
+    if d.rank == 0:
+        for r in ar:
+            say(format_row(r))
+        rows += ar
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rows, f, default=str)
+    say(f"tp: TP{d.world} done in {time.perf_counter() - t0:.1f} s")
+    failed = [r for r in rows if r.get("check_ok") is False]
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
