@@ -34,7 +34,7 @@ import torch
 
 from dsv4lab import backends as B
 from dsv4lab import runtime
-from dsv4lab.model import DSV4, OPS, LayerCache, make_meta, to_dtype
+from dsv4lab.model import DSV4, OPS, DecodeMeta, LayerCache, make_meta, to_dtype
 
 
 class PagedKVCache:
@@ -103,6 +103,15 @@ class Generation:
         return sum((a + 1) * n for a, n in enumerate(self.accept_hist)) / tot if tot else 1.0
 
 
+def _slice_meta(meta: DecodeMeta, j: int) -> DecodeMeta:
+    """Column ``j`` of a [B, S] meta as a [B, 1] meta (views; a fresh RoPE memo)."""
+    col = lambda t: t[:, j:j + 1]  # noqa: E731
+    per = lambda d: {r: col(t) for r, t in d.items()}  # noqa: E731
+    return DecodeMeta(col(meta.positions), col(meta.slots), col(meta.window), meta.block_table,
+                      meta.cblock_table, meta.page_size, per(meta.block_slots), per(meta.entry_pos),
+                      per(meta.entry_slot), per(meta.n_entries), per(meta.all_entries))
+
+
 class _Runner:
     """Static buffers + the step function for one (batch, num_draft) shape."""
 
@@ -139,14 +148,17 @@ class _Runner:
         self.hist += (torch.nn.functional.one_hot(a, self.k + 1) * active.unsqueeze(1)).sum(0)
 
     def draft_rest(self, hm, d1, new_pos):
-        """Drafts 2..k by running the MTP layer on its own hidden state."""
+        """Drafts 2..k by running the MTP layer on its own hidden state. The k - 1 draft
+        positions are known up front, so one meta serves every pass (sliced: views only)."""
         e = self.eng
         drafts = [d1]
-        for j in range(2, self.k + 1):
-            pos = (new_pos + j - 2).unsqueeze(1)
+        if self.k < 2:
+            return d1.unsqueeze(1)
+        pos = new_pos.unsqueeze(1) + torch.arange(self.k - 1, device=new_pos.device)
+        full = self.meta(pos, [e.mtp_ratio])
+        for j in range(self.k - 1):
             ml, h = e.model.mtp_forward_decode(hm.unsqueeze(1), drafts[-1].unsqueeze(1),
-                                               self.meta(pos, [e.mtp_ratio]), e.cache.mtp,
-                                               e.draft_backends)
+                                               _slice_meta(full, j), e.cache.mtp, e.draft_backends)
             hm = h[:, 0]
             drafts.append(ml[:, 0].argmax(-1))
         return torch.stack(drafts, 1)
@@ -176,8 +188,10 @@ class _Runner:
         a = (self.drafts == g[:, :k]).long().cumprod(1).sum(1)               # accepted drafts
         self.commit(g, a, active)
         # draft the next k: MTP over the verified positions, then recursively
-        ml, mh = e.model.mtp_forward_decode(h, g, self.meta(pos, [e.mtp_ratio]), e.cache.mtp,
-                                            e.draft_backends)
+        # the MTP layer (compress ratio 0) reads only positions, slots and the window:
+        # the verify's meta (same positions) serves it as is
+        mmeta = meta if not e.mtp_ratio else self.meta(pos, [e.mtp_ratio])
+        ml, mh = e.model.mtp_forward_decode(h, g, mmeta, e.cache.mtp, e.draft_backends)
         ia = a.view(-1, 1)
         d1 = ml.gather(1, ia.view(-1, 1, 1).expand(-1, 1, ml.shape[-1]))[:, 0].argmax(-1)
         hm = mh[torch.arange(self.B, device=a.device), a]
@@ -374,18 +388,21 @@ class Engine:
             if show:
                 from tqdm.auto import tqdm
                 bar = tqdm(total=B * max_new_tokens, desc=f"generate (k={num_draft})", leave=False)
-            launched, done = 0, False
-            limit = max_new_tokens - 1  # the prefill made one; every step makes >= 1 more
-            while not done and launched < limit:
-                n = min(sync_every, limit - launched)
+            # Launch steps in chunks, reading the outputs' counts between chunks. A chunk is
+            # never longer than the steps the slowest request can still use (every step
+            # gives each unfinished request 1..k+1 tokens): no step runs after all are done.
+            launched, left = 0, max_new_tokens - 1   # the prefill made one token
+            limit = left                             # every step makes >= 1 more
+            while left > 0 and launched < limit:
+                n = min(sync_every, -(-left // (num_draft + 1)), limit - launched)
                 for _ in range(n):
                     r.run_step()
                 launched += n
                 n_out = r.n_out.clamp_max(max_new_tokens)
-                made = int(n_out.sum())
-                done = made >= B * max_new_tokens
+                counts = n_out.tolist()
+                left = max_new_tokens - min(counts)
                 if bar is not None:
-                    bar.update(made - bar.n)
+                    bar.update(sum(counts) - bar.n)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0

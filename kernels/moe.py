@@ -22,6 +22,25 @@ The inner product of a step is either a tensor-core ``tl.dot`` (M padded to BM >
 for blocks of 1..4 rows, a broadcast multiply-and-reduce on the CUDA cores (``USE_DOT``).
 Tile sizes live in one table, :data:`CONFIGS`, swept by scripts/tune_moe.py.
 
+Swap AB (``SWAP_AB``, an experimental variant, off in :data:`CONFIGS` until timed). At
+decode the dot is [16 padded tokens] x [BN weight rows]: the decoded weights are the B
+operand, which Hopper's wgmma (M >= 64 a warpgroup) and the Ampere mma alike take from
+shared memory, so every decoded fp16 weight is written to and read back from shared
+memory (4 bytes of shared traffic a packed byte each way), and the 16-row M side leaves
+wgmma's 64 rows idle. Transposing the product, ``acc^T [BN, BM] = w [BN, BK] . x^T [BK,
+BM]``, puts the weight rows on the M side (BN >= 64 fills a warpgroup) as the A operand,
+which the tensor cores can read straight from registers, and the few tokens on N (>= 16).
+Same decode, same scales (per weight row: ``colf[:, None]``), one transpose of the
+accumulator before the epilogue.
+
+DECODE32 (experimental, off in :data:`CONFIGS` until timed). The byte decode above costs
+~25 PTX instructions a packed byte on sm_90 (one 16-bit op per element): the loop is
+instruction-bound, not bandwidth-bound. With DECODE32 the packed bytes are loaded as int32
+words and two nibbles (bytes 0 and 2, then 1 and 3 of a word) are decoded per 32-bit op into
+fp16x2 words, which are split into halves. Byte r of word q is packed byte 4q + r, i.e. K
+elements 8q + 2r and 8q + 2r + 1, so a step runs as four dots of K = BK/8 each, with x
+gathered in the same order (a permutation of K, applied to both operands alike).
+
 Decoding a nibble without a table. A nibble ``c`` is sign | e1 e0 | m. Put its three
 magnitude bits at bits 9..11 of a 16-bit word and its sign at bit 15, and the word, read
 as an fp16, is exactly ``value(c) * 2**-14`` (codes 0 and 1 land in fp16 subnormals, which
@@ -123,6 +142,61 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
 
 
 @triton.jit
+def _w_words(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, Q: tl.constexpr,
+             GS: tl.constexpr):
+    """DECODE32: one K-step of BN rows read as int32 words (4 packed bytes, [BN, Q]) and
+    the per-element multiplier ``mexp`` [BN, Q] and ``colf`` [BN] as in :func:`_w_tile`."""
+    NSC: tl.constexpr = (4 * Q) // GS
+    wd = tl.load(w_tile, mask=nmask[:, None], other=0)
+    sb = tl.load(s_tile, mask=nmask[:, None], other=0)
+    if IS_NV:
+        mult = _e4m3_bits_to_f16(sb)
+        colf = tl.full((BN,), 1.0, tl.float32)
+    else:
+        si = sb.to(tl.int32)
+        smax = tl.max(si, axis=1)
+        e = si - smax[:, None] + 15
+        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
+        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS // 4)), (BN, Q))
+    return wd, mexp, colf
+
+
+@triton.jit
+def _e2m1_pairs(t):
+    """Bytes 0 and 2 of int32 words -> (lo nibbles, hi nibbles) as fp16x2 words, two
+    elements per 32-bit op: byte 0's nibble in the low half, byte 2's in the high half."""
+    lo = ((t & 0x00070007) << 9) | ((t & 0x00080008) << 12)
+    hi = ((t & 0x00700070) << 5) | ((t & 0x00800080) << 8)
+    return lo, hi
+
+
+@triton.jit
+def _half(v, HIGH: tl.constexpr):
+    """The low (or high) 16 bits of int32 words as fp16."""
+    if HIGH:
+        v = v >> 16
+    return v.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _mac_words(acc, x_rows, k0, mmask, wd, mexp, colf, IS_NV: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr):
+    """DECODE32 step: byte r of word q is packed byte 4q + r of the step, i.e. elements
+    8q + 2r (low nibble) and 8q + 2r + 1 (high); the dot runs as four K = Q slices (one per
+    r) so that no interleave is needed: x is gathered with the same permutation."""
+    for pp in tl.static_range(2):
+        lo2, hi2 = _e2m1_pairs(wd >> (8 * pp))
+        xe, xo = _x_tile(x_rows + 2 * pp, k0, mmask)            # byte r = pp
+        acc = _mac(acc, xe, xo, _half(lo2, False) * mexp, _half(hi2, False) * mexp, colf,
+                   IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+        xe, xo = _x_tile(x_rows + 2 * pp + 4, k0, mmask)        # byte r = pp + 2
+        acc = _mac(acc, xe, xo, _half(lo2, True) * mexp, _half(hi2, True) * mexp, colf,
+                   IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+    return acc
+
+
+@triton.jit
 def _x_tile(x_rows, k0, mmask):
     """x (or activations) at the even and odd columns of the step: fp32 [BM, BKH] * 2**-8."""
     xe = tl.load(x_rows + 2 * k0, mask=mmask[:, None], other=0.0).to(tl.float32)
@@ -132,12 +206,30 @@ def _x_tile(x_rows, k0, mmask):
 
 @triton.jit
 def _mac(acc, xe, xo, wlo, whi, colf, IS_NV: tl.constexpr, USE_DOT: tl.constexpr,
-         DOT_FP32: tl.constexpr):
+         DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + colf * (x_even . w_lo^T + x_odd . w_hi^T): [BM, BN].
 
     USE_DOT: tensor cores (fp16 operands, fp32 accumulate; BM >= 16, tiny M is padded).
+    SWAP_AB (with USE_DOT): the transposed product ``w . x^T``: acc is [BN, BM], the
+    decoded weight tile is the dot's M side (its A operand, which the tensor cores can take
+    from registers) and the few tokens its N side.
     Otherwise a broadcast multiply and reduce on the CUDA cores in fp32 (for BM of 1..4)."""
-    if USE_DOT:
+    if USE_DOT and SWAP_AB:
+        if DOT_FP32:      # the interpreter: same rounding as the fp16 operands
+            a_lo, a_hi = wlo.to(tl.float32), whi.to(tl.float32)
+            b_e = tl.trans(xe.to(tl.float16).to(tl.float32))
+            b_o = tl.trans(xo.to(tl.float16).to(tl.float32))
+        else:
+            a_lo, a_hi = wlo, whi
+            b_e, b_o = tl.trans(xe.to(tl.float16)), tl.trans(xo.to(tl.float16))
+        if IS_NV:
+            acc = tl.dot(a_lo, b_e, acc)
+            acc = tl.dot(a_hi, b_o, acc)
+        else:
+            d = tl.dot(a_lo, b_e)
+            d = tl.dot(a_hi, b_o, d)
+            acc += d * colf[:, None]
+    elif USE_DOT:
         if DOT_FP32:      # the interpreter: fp16 dots are not trustworthy there; same rounding
             a_e, a_o = xe.to(tl.float16).to(tl.float32), xo.to(tl.float16).to(tl.float32)
             b_lo, b_hi = tl.trans(wlo.to(tl.float32)), tl.trans(whi.to(tl.float32))
@@ -168,8 +260,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_act,
                         swiglu_limit,
                         IS_NV: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                        USE_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BKH: tl.constexpr, GS: tl.constexpr):
+                        USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr,
+                        DECODE32: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     e = tl.load(block_expert_ptr + b)
@@ -193,14 +286,35 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     srow = e64 * stride_se + offs_n.to(tl.int64) * stride_sn
     sg = s_ptr + srow[:, None] + ks[None, :]
     su = sg + I * stride_sn
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, KH, BKH):
-        xe, xo = _x_tile(x_rows, k0, mmask)
-        wlo, whi, cf = _w_tile(wg + k0, sg + k0 // GS, nmask, IS_NV, BN, BKH, GS)
-        acc_g = _mac(acc_g, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32)
-        wlo, whi, cf = _w_tile(wu + k0, su + k0 // GS, nmask, IS_NV, BN, BKH, GS)
-        acc_u = _mac(acc_u, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32)
+    if SWAP_AB:
+        acc_g = tl.zeros((BN, BM), dtype=tl.float32)
+        acc_u = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    if DECODE32:       # int32 words, 4 packed bytes each; x gathered in the same K order
+        Q: tl.constexpr = BKH // 4
+        kq = tl.arange(0, Q)
+        x_rows = x_ptr + tok[:, None] * stride_xt + 8 * kq[None, :]
+        wg = (w_ptr + row_g[:, None] + 4 * kq[None, :]).to(tl.pointer_type(tl.int32))
+        wu = (w_ptr + (row_g + I * stride_wn)[:, None] + 4 * kq[None, :]).to(tl.pointer_type(tl.int32))
+        for k0 in range(0, KH, BKH):
+            wd, mexp, cf = _w_words(wg + k0 // 4, sg + k0 // GS, nmask, IS_NV, BN, Q, GS)
+            acc_g = _mac_words(acc_g, x_rows, k0, mmask, wd, mexp, cf, IS_NV, USE_DOT,
+                               DOT_FP32, SWAP_AB)
+            wd, mexp, cf = _w_words(wu + k0 // 4, su + k0 // GS, nmask, IS_NV, BN, Q, GS)
+            acc_u = _mac_words(acc_u, x_rows, k0, mmask, wd, mexp, cf, IS_NV, USE_DOT,
+                               DOT_FP32, SWAP_AB)
+    else:
+        for k0 in range(0, KH, BKH):
+            xe, xo = _x_tile(x_rows, k0, mmask)
+            wlo, whi, cf = _w_tile(wg + k0, sg + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+            acc_g = _mac(acc_g, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+            wlo, whi, cf = _w_tile(wu + k0, su + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+            acc_u = _mac(acc_u, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+    if SWAP_AB:                                   # back to [BM, BN] once, for the epilogue
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if IS_NV:
         f = 4194304.0 * tl.load(gscale_ptr + e)          # 2**22: undo x and nibble offsets
         gate = acc_g * f
@@ -224,7 +338,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
                      stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                      stride_ys,
                      IS_NV: tl.constexpr, DOT_FP32: tl.constexpr, USE_DOT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr):
+                     SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -245,12 +360,29 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
     a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + 2 * kb[None, :]
     w_rows = w_ptr + (e64 * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None] + kb[None, :]
     s_rows = s_ptr + (e64 * stride_se + offs_n.to(tl.int64) * stride_sn)[:, None] + ks[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k1 in range(0, KH_SPLIT, BKH):
-        k0 = kbase + k1
-        xe, xo = _x_tile(a_rows, k0, mmask)
-        wlo, whi, cf = _w_tile(w_rows + k0, s_rows + k0 // GS, nmask, IS_NV, BN, BKH, GS)
-        acc = _mac(acc, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32)
+    if SWAP_AB:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if DECODE32:
+        Q: tl.constexpr = BKH // 4
+        kq = tl.arange(0, Q)
+        a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + 8 * kq[None, :]
+        w_words = (w_ptr + (e64 * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None]
+                   + 4 * kq[None, :]).to(tl.pointer_type(tl.int32))
+        for k1 in range(0, KH_SPLIT, BKH):
+            k0 = kbase + k1
+            wd, mexp, cf = _w_words(w_words + k0 // 4, s_rows + k0 // GS, nmask, IS_NV, BN, Q, GS)
+            acc = _mac_words(acc, a_rows, k0, mmask, wd, mexp, cf, IS_NV, USE_DOT, DOT_FP32,
+                             SWAP_AB)
+    else:
+        for k1 in range(0, KH_SPLIT, BKH):
+            k0 = kbase + k1
+            xe, xo = _x_tile(a_rows, k0, mmask)
+            wlo, whi, cf = _w_tile(w_rows + k0, s_rows + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+            acc = _mac(acc, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     wt = tl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
     if IS_NV:
         y = acc * (4194304.0 * tl.load(gscale_ptr + e)) * wt[:, None]
@@ -279,20 +411,36 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, 
 
 # --------------------------------------------------------------------- launcher ----------
 # The tuning table: the first row whose bound is >= the average rows per expert hit
-# (P / min(P, E); 1.0 at T = 1, ~1.5 at T = 64 with 256 experts, ~96 at T = 4096) wins.
+# (P / min(P, E); 1.0 at T <= 42 with k = 6 and 256 experts, ~1.5 at T = 64, 6 at T = 256,
+# ~96 at T = 4096) wins; each row holds one config per format.
 # BK1/BK2: K elements per step of the gate/up and down loops (BK/2 contiguous bytes a row);
 # SPLIT2: split-K slices of the down projection (partials summed by the combine pass);
-# USE_DOT: tensor cores (BM >= 16) or CUDA-core multiply-reduce (tiny BM).
+# USE_DOT: tensor cores (BM >= 16) or CUDA-core multiply-reduce (tiny BM);
+# SWAP_AB (optional, default False): the dot as ``w . x^T`` (weight rows on the M side);
+# DECODE32 (optional, default False): packed bytes decoded as int32 words (see the docstring).
 # scripts/tune_moe.py sweeps these on a GPU; paste its winners here.
+#
+# Winners of the 2026-11-29 H200 sweep (triton 3.6, Flash shape E=256 H=4096 I=2048 k=6;
+# CUDA-graph medians, fraction of the FP4-bytes roofline; 128 rows, none wrong):
+#   T=1   mxfp4 140.2 us 0.135 (BN 64/64)            nvfp4 121.0 us 0.166 (BN 32/64, SPLIT2=2)
+#   T=8   mxfp4 763.4 us 0.178 (BN 64/64)            nvfp4 716.1 us 0.200 (BN 64/64; 32/64 S2: 718.7)
+#   T=64  mxfp4 3011  us 0.182 (BN 64/64)            nvfp4 2794.6 us 0.208 (BN 64/64)
+#   T=256 mxfp4 4895  us 0.151 (BN 64/64)            nvfp4 4608  us 0.170 (BN 64/64)
+# The CUDA-core (BM 1..2) variants were much slower (T=1: 244 us and worse). The prefill row
+# (> 16 rows per expert) was not swept.
+_DOT16 = dict(BM=16, BK1=256, BK2=256, USE_DOT=True, num_warps=4, num_stages=3)
+_BN64 = dict(_DOT16, BN1=64, BN2=64, SPLIT2=1)                 # sweep candidate #2
+_BN32_64_S2 = dict(_DOT16, BN1=32, BN2=64, SPLIT2=2)           # sweep candidate #6
 CONFIGS = [
-    (2.0, dict(BM=16, BN1=32, BN2=32, BK1=256, BK2=256, SPLIT2=1, USE_DOT=True,
-               num_warps=4, num_stages=3)),
-    (16.0, dict(BM=16, BN1=64, BN2=64, BK1=256, BK2=256, SPLIT2=1, USE_DOT=True,
-                num_warps=4, num_stages=3)),
-    (float("inf"), dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
-                        num_warps=4, num_stages=3)),
+    (1.0, dict(mxfp4=_BN64, nvfp4=_BN32_64_S2)),               # T=1, T=8 measured
+    (2.0, dict(mxfp4=_BN64, nvfp4=_BN64)),                     # T=64
+    (16.0, dict(mxfp4=_BN64, nvfp4=_BN64)),                    # T=256
+    (float("inf"), {f: dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
+                            num_warps=4, num_stages=3) for f in ("mxfp4", "nvfp4")}),
 ]
-CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT2", "USE_DOT", "num_warps", "num_stages")
+
+CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT2", "USE_DOT", "SWAP_AB", "DECODE32",
+               "num_warps", "num_stages")
 
 
 def rows_per_expert(T: int, topk: int, E: int) -> float:
@@ -300,10 +448,10 @@ def rows_per_expert(T: int, topk: int, E: int) -> float:
     return P / max(1, min(P, E))
 
 
-def config_for(T: int, topk: int, E: int) -> dict:
-    """Tile sizes from :data:`CONFIGS` by the average rows per expert hit."""
+def config_for(T: int, topk: int, E: int, fmt: str = "mxfp4") -> dict:
+    """Tile sizes from :data:`CONFIGS` by the average rows per expert hit and the format."""
     r = rows_per_expert(T, topk, E)
-    cfg = next(dict(c) for bound, c in CONFIGS if r <= bound)
+    cfg = next(dict(c[fmt]) for bound, c in CONFIGS if r <= bound)
     if _interpreting():
         cfg.update(num_stages=1)
     return cfg
@@ -335,7 +483,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
-    cfg = dict(config_for(T, topk, E), **(config or {}))
+    cfg = dict(config_for(T, topk, E, fmt), **(config or {}))
     unknown = set(cfg) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
@@ -344,6 +492,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         raise ValueError(f"config: USE_DOT needs BM >= 16 (tl.dot's smallest M), got BM={BM}")
     if BM < 1 or BM & (BM - 1):
         raise ValueError(f"config: BM must be a power of two, got {BM}")
+    swap = bool(cfg.get("SWAP_AB", False))
+    if swap and not use_dot:
+        raise ValueError("config: SWAP_AB needs USE_DOT=True (it transposes the tensor-core dot)")
+    if swap and min(cfg["BN1"], cfg["BN2"]) < 16:
+        raise ValueError(f"config: SWAP_AB needs BN1, BN2 >= 16 (the dot's M side), "
+                         f"got {cfg['BN1']}/{cfg['BN2']}")
     is_nv = fmt == "nvfp4"
     dev = x.device
     x = x.contiguous()
@@ -359,6 +513,15 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     GS = 8 if is_nv else 16                      # packed bytes per scale
     BK1, BK2 = _pick_bk(H, cfg["BK1"]), _pick_bk(I, cfg["BK2"])
     split = _pick_split(I // BK2, int(cfg["SPLIT2"]))
+    # DECODE32 (experimental): words of 4 packed bytes; the dot's K slices are BK/8 long, so
+    # with the tensor cores it needs BK >= 128 (K = 16 slices); smaller K falls back to bytes.
+    dec32 = bool(cfg.get("DECODE32", False))
+    dec1 = dec32 and (not use_dot or BK1 >= 128)
+    dec2 = dec32 and (not use_dot or BK2 >= 128)
+    if dec1 and w13.data_ptr() % 16:             # an offset view: realign for word loads
+        w13 = w13.clone()
+    if dec2 and w2.data_ptr() % 16:
+        w2 = w2.clone()
     sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, BM)
     nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float32, device=dev)
@@ -372,14 +535,15 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0,
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
-        BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS,
+        SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _moe_down_kernel[(nbm, triton.cdiv(H, BN2), split)](
         act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
         H, I // 2 // split,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         ypair.stride(1), ypair.stride(0),
-        IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
+        IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
+        DECODE32=dec2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, BH))](

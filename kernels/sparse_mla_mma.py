@@ -27,6 +27,17 @@ path (sm_80) moves the bits instead: sign to bit 15, exponent+mantissa to bits 7
 fp16, which is the e4m3 value times 2^-8 for normals and subnormals alike. The 64 RoPE
 values are read as bf16. Fewer bytes per row, same math.
 
+Empty slots. A -1 slot adds nothing; each program first finds its range's last valid
+slot (``_trim_tail``, one 512-slot load for a dense list) and stops there, so the
+ratio-128 layers' max-context lists, mostly a -1 tail, cost only their valid tiles. (A
+branch around the loop body would do it too, but Triton then stops pipelining the gathers.)
+
+Prefetch (``PREFETCH``, a variant). Triton's pipeliner turns the index load into an
+async copy but leaves the data-dependent row gather a plain load, so each tile waits for
+its rows. With ``PREFETCH`` the loop carries the next tile's indices and raw rows (bf16
+tile, or e4m3 bytes + scale bytes + RoPE) in registers: tile i+1's loads are issued before
+tile i's dequant, MMAs and softmax, and the dequantised tile feeds both MMAs.
+
 Online softmax, lazily (``LAZY``). Rescaling the [heads, d_v] fp32 accumulator costs as
 many multiplies per tile as the tile has outputs; with ``LAZY`` the running max only moves
 (and the accumulator is only rescaled) when some head's max grew by more than 2^8, so
@@ -53,10 +64,12 @@ RESCALE_SLACK = tl.constexpr(8.0)   # LAZY: move the running max once 2^8 stale 
 
 
 @triton.jit
-def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
-                  BF16_MATH: tl.constexpr, KDTYPE: tl.constexpr):
-    """Gather the latent rows ``rows`` ([BLOCK_N], int64) as a [BLOCK_N, BLOCK_D] tile."""
+def _gather_kv_raw(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   FP8: tl.constexpr, KDTYPE: tl.constexpr):
+    """Issue the loads of the latent rows ``rows`` ([BLOCK_N], int64): the bf16 tile, or
+    the FP8 cache's raw parts (e4m3 bytes [N, 8, 64], scale bytes [N, 8, 1], bf16 RoPE
+    [N, 1, 64]). Split from :func:`_dequant_kv` so ``PREFETCH`` can issue tile i+1's loads
+    before tile i's math (a load only stalls where its registers are first read)."""
     if FP8:
         # view the 512 values as 8 groups of 64: groups 0..6 are e4m3 (scale per group),
         # group 7 is the bf16 RoPE part
@@ -66,12 +79,32 @@ def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.cons
         v3 = valid[:, None, None]
         nope = v3 & (j < 7)
         b = tl.load(kv_ptr + base + j * 64 + c, mask=nope, other=0)           # [N, 8, 64]
-        sb = tl.load(kv_ptr + base + 576 + j, mask=nope, other=127).to(tl.int32)  # [N, 8, 1]
+        sb = tl.load(kv_ptr + base + 576 + j, mask=nope, other=127)           # [N, 8, 1]
+        rope_ptr = kv_ptr.to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr + rows[:, None, None] * 292 + 224 + c, mask=v3, other=0.0)
+        return b, sb, rope
+    else:
+        if BLOCK_D == D:       # no column mask: keeps the row gathers 16-byte vectorised
+            k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
+                        mask=valid[:, None], other=0.0).to(KDTYPE)
+        else:
+            k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
+                        mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(KDTYPE)
+        return k, k, k
+
+
+@triton.jit
+def _dequant_kv(b, sb, rope, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, KDTYPE: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] K tile from :func:`_gather_kv_raw`'s parts (bf16: as is)."""
+    if FP8:
+        j = tl.arange(0, 8)[None, :, None]
+        sbi = sb.to(tl.int32) & 0xFF
         if FP8_HW:
             # hardware e4m3 conversion; the scale 2^(s-127) is the fp32 with exponent s
             # (s = 0, a block with amax < 2^-118, reads as 0)
             x = b.to(tl.float8e4nv, bitcast=True)
-            sc = (sb << 23).to(tl.float32, bitcast=True)
+            sc = (sbi << 23).to(tl.float32, bitcast=True)
             if BF16_MATH:
                 val = x.to(tl.bfloat16) * sc.to(tl.bfloat16)      # exact: power of two
             else:
@@ -81,19 +114,72 @@ def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.cons
             # the fp16 value is the e4m3 value * 2^-8 (normals and subnormals alike)
             bi = b.to(tl.int32)
             h16 = (((bi & 0x80) << 8) | ((bi & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-            val = h16.to(tl.float32) * tl.exp2(sb.to(tl.float32) - 119.0)   # * 2^8 * 2^(s-127)
-        rope_ptr = kv_ptr.to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr + rows[:, None, None] * 292 + 224 + c, mask=v3, other=0.0)
+            val = h16.to(tl.float32) * tl.exp2(sbi.to(tl.float32) - 119.0)   # * 2^8 * 2^(s-127)
         k3 = tl.where(j < 7, val.to(KDTYPE), rope.to(KDTYPE))      # [N, 8, 64]
         k = tl.reshape(k3, [BLOCK_N, BLOCK_D])
     else:
-        if BLOCK_D == D:       # no column mask: keeps the row gathers 16-byte vectorised
-            k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
-                        mask=valid[:, None], other=0.0).to(KDTYPE)
-        else:
-            k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
-                        mask=valid[:, None] & (offs_d[None, :] < D), other=0.0).to(KDTYPE)
+        k = b
     return k
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
+                  BF16_MATH: tl.constexpr, KDTYPE: tl.constexpr):
+    """Gather the latent rows ``rows`` ([BLOCK_N], int64) as a [BLOCK_N, BLOCK_D] tile."""
+    b, sb, rope = _gather_kv_raw(kv_ptr, rows, valid, offs_d, D, BLOCK_D, FP8, KDTYPE)
+    return _dequant_kv(b, sb, rope, BLOCK_N, BLOCK_D, FP8, FP8_HW, BF16_MATH, KDTYPE)
+
+
+@triton.jit
+def _trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
+    """One past the last valid (>= 0) slot of ``idx_ptr[start:end]`` (``start`` if none),
+    scanning back from ``end`` ``SCAN_N`` slots at a time. A dense list costs one load;
+    a long list that is mostly a tail of -1 (the ratio-128 layers' max-context lists)
+    is cut to its valid part, and the main loop never sees the dead tiles."""
+    last = tl.zeros([], tl.int32) + (start - 1)
+    hi = end
+    while (hi > start) & (last < start):
+        offs = hi - SCAN_N + tl.arange(0, SCAN_N)
+        ic = tl.load(idx_ptr + offs, mask=(offs >= start) & (offs < hi), other=-1)
+        last = tl.maximum(last, tl.max(tl.where(ic >= 0, offs, start - 1), axis=0))
+        hi -= SCAN_N
+    return last + 1
+
+
+@triton.jit
+def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV: tl.constexpr,
+                 BLOCK_D: tl.constexpr, LAZY: tl.constexpr, KDTYPE: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
+    """One tile of the online softmax: S = Q K^T, running max/sum, acc += P V with
+    V = K[:, :DV] (the same tile feeds both MMAs). Returns (m_i, l_i, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_tile = tl.max(s, axis=1)
+    if LAZY:
+        grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
+        if grow > 0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i += tl.sum(p, axis=1)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    if DV < BLOCK_D:
+        v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
+    else:
+        v = k
+    acc = tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -104,6 +190,7 @@ def _sparse_mla_mma_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, V_FROM_K: tl.constexpr,
     FP8: tl.constexpr, FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, LAZY: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
@@ -133,44 +220,65 @@ def _sparse_mla_mma_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     start = sp * split_rows
     end = tl.minimum(start + split_rows, topk)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
-        valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-        k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
-                          BF16_MATH, KDTYPE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_tile = tl.max(s, axis=1)
-        if LAZY:
-            # rescale only when some head's max grew past the slack (first tile: always)
-            grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
-            if grow > 0:
+    # skip the trailing -1 tiles (an all -1 tile adds nothing: p = 0, alpha = 1); a
+    # branch around the loop body instead would stop Triton pipelining the KV gathers
+    end = _trim_tail(idx_ptr + bs * topk, start, end, SCAN_N)
+    if PREFETCH:
+        # software pipeline in registers: tile i+1's index and row loads are issued before
+        # tile i's math, so their latency hides behind two MMAs and a softmax (Triton's
+        # pipeliner does not multi-buffer these data-dependent row gathers)
+        offs_n = start + tl.arange(0, BLOCK_N)
+        idx_c = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+        rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
+                                    idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE)
+        for n0 in range(start, end, BLOCK_N):
+            valid = idx_c >= 0
+            k = _dequant_kv(rb, rs, rr, BLOCK_N, BLOCK_D, FP8, FP8_HW, BF16_MATH, KDTYPE)
+            offs_nx = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            idx_c = tl.load(idx_ptr + bs * topk + offs_nx, mask=offs_nx < end, other=-1)
+            rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
+                                        idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE)
+            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
+                                         BLOCK_D, LAZY, KDTYPE, DOT_PREC)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
+                              BF16_MATH, KDTYPE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_tile = tl.max(s, axis=1)
+            if LAZY:
+                # rescale only when some head's max grew past the slack (first tile: always)
+                grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
+                if grow > 0:
+                    m_new = tl.maximum(m_i, m_tile)
+                    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                    l_i = l_i * alpha
+                    acc = acc * alpha[:, None]
+                    m_i = m_new
+                p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+                l_i += tl.sum(p, axis=1)
+            else:
                 m_new = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                l_i = l_i * alpha
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None]
                 m_i = m_new
-            p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-            l_i += tl.sum(p, axis=1)
-        else:
-            m_new = tl.maximum(m_i, m_tile)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        if V_FROM_K:
-            if DV < BLOCK_D:
-                v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
+            if V_FROM_K:
+                if DV < BLOCK_D:
+                    v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
+                else:
+                    v = k
             else:
-                v = k
-        else:
-            v = tl.load(kv_ptr + rows[:, None] * D + offs_v[None, :],
-                        mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0).to(KDTYPE)
-        acc = tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
+                v = tl.load(kv_ptr + rows[:, None] * D + offs_v[None, :],
+                            mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0).to(KDTYPE)
+            acc = tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
 
     has = l_i > 0
     if SPLIT:
@@ -243,7 +351,8 @@ class Config(NamedTuple):
     all of DeepSeek-V4's heads, 32/16 give 2/4 programs per query that share each tile
     through L2); ``lazy``: the LAZY rescale; ``splits``: 0 = :func:`plan_splits`, else the
     number of split-KV ranges (1 = never split); ``fp8_hw``: the FP8 dequant path
-    (None: hardware conversion on sm_89+)."""
+    (None: hardware conversion on sm_89+); ``prefetch``: the PREFETCH software pipeline
+    (tile i+1's index and row loads issued before tile i's math, in registers)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -251,14 +360,43 @@ class Config(NamedTuple):
     lazy: bool = False
     splits: int = 0
     fp8_hw: bool | None = None
+    prefetch: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
 # H >= 64, D = d_v = 512 with bf16/fp16 q. scripts/tune_sparse_mla.py prints these entries
 # from its sweep; paste them here. A class missing here falls back to timing the
 # capability's candidates on first use.
+#
+# From the 2026-11-29 H200 sweep (scripts/tune_sparse_mla.py; CUDA-graph timings, H 64,
+# D 512). 'fp8 small' was not swept, and the fp8 winners around it disagree (tiny:
+# N32 w4 h16, mid: N32 w8 h64), so it is not guessed: it keeps the default path (timed on
+# first use). No H100 entry: the same sm_90 die, but not measured, less HBM bandwidth
+# (3.35 vs 4.8 TB/s) moves the balance these winners strike, and torch reports it as
+# "NVIDIA H100 80GB HBM3" / "NVIDIA H100 PCIe" (114 SMs), which this exact-name lookup
+# would have to list one by one.
 DEVICE_TABLE: dict = {
-    # "NVIDIA H200": {("bf16", "large"): Config(32, 8, 2, 64, False, 0), ...},
+    "NVIDIA H200": {
+        ("bf16", "large"): Config(64, 8, 2, 64, False, 0, None),  # 285.8 us at B128 S2 T2048
+        ("bf16", "mid"): Config(64, 8, 2, 64, False, 0, None),    # 87.6 us at B64 S1 T2048 (B32: 54.8 us)
+        ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
+        ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
+        ("fp8", "large"): Config(64, 8, 2, 64, False, 0, None),   # 564.9 us at B128 S2 T2048
+        ("fp8", "mid"): Config(32, 8, 2, 64, False, 0, None),     # 197.0 us at B64 S1 T2048
+        ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None),    # 17.6 us at B1 S1 T640
+    },
+}
+
+# Named experimental variants, recorded by ``dsv4lab bench sparse_mla`` beside the table's
+# default at the target shapes (not picked automatically until measured). PREFETCH: in the
+# sm_90 TTGIR of the default loop only the index load becomes a cp.async; the KV row gather
+# is a plain ld.global whose latency every tile pays (bf16 and FP8 alike), so these issue
+# tile i+1's gathers before tile i's MMAs. Compiled for sm_90 (triton 3.9, 8 warps):
+# 131 KB (N64) / 98 KB (N32) shared memory, the register file full (255 a thread, as the
+# default's), N32 spilling about as little as the default; 16 warps spill KBs (128 regs).
+VARIANTS: dict = {
+    "prefetch_n32": Config(32, 8, 2, 64, False, 0, None, True),
+    "prefetch_n64": Config(64, 8, 2, 64, False, 0, None, True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -278,6 +416,7 @@ _TUNED: dict = {}          # (device, workload key) -> Config
 _SM_COUNT: dict = {}
 INTERPRETER_BLOCK_N = 16   # small tiles in the interpreter so topk spans several of them
 SPLIT_ROWS_MULTIPLE = 64   # split ranges are multiples of every BLOCK_N candidate
+SCAN_N = 512               # slots per load when looking for a split's last valid slot
 
 
 def _is_interpreter():
@@ -387,6 +526,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
         (tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16)
     dot_prec = "ieee" if kdtype == tl.float32 else "tf32"
     grid = (n_prog * splits,)
+    scan_n = INTERPRETER_BLOCK_N * 2 if interp else SCAN_N
 
     def launch(cfg):
         hw = fp8_hw if fp8_hw is not None else (cfg.fp8_hw if cfg.fp8_hw is not None else hw_default)
@@ -396,7 +536,8 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             D=D, DV=d_v, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
             BLOCK_N=cfg.block_n, V_FROM_K=v_from_k, FP8=fp8, FP8_HW=bool(fp8 and hw),
             BF16_MATH=kdtype == tl.bfloat16, LAZY=bool(cfg.lazy), HAS_SINK=sink is not None,
-            SPLIT=split, KDTYPE=kdtype, DOT_PREC=dot_prec,
+            SPLIT=split, KDTYPE=kdtype, DOT_PREC=dot_prec, SCAN_N=scan_n,
+            PREFETCH=bool(cfg.prefetch and v_from_k),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is None:

@@ -23,11 +23,26 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
+    """One past the last valid (>= 0) slot of ``idx_ptr[start:end]`` (``start`` if none),
+    scanning back from ``end`` ``SCAN_N`` slots at a time: a long list that is mostly a
+    tail of -1 (the ratio-128 layers' max-context lists) is cut to its valid part."""
+    last = tl.zeros([], tl.int32) + (start - 1)
+    hi = end
+    while (hi > start) & (last < start):
+        offs = hi - SCAN_N + tl.arange(0, SCAN_N)
+        ic = tl.load(idx_ptr + offs, mask=(offs >= start) & (offs < hi), other=-1)
+        last = tl.maximum(last, tl.max(tl.where(ic >= 0, offs, start - 1), axis=0))
+        hi -= SCAN_N
+    return last + 1
+
+
+@triton.jit
 def _sparse_mla_simt_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr,
     H, topk, qk_scale,                       # qk_scale = softmax_scale * log2(e)
     D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINK: tl.constexpr, SCAN_N: tl.constexpr,
 ):
     pid = tl.program_id(0)                   # one program per (b * S_q + s) * H + h
     bs = pid // H
@@ -40,9 +55,10 @@ def _sparse_mla_simt_kernel(
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)   # running max
     l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)                 # running sum
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
+    end = _trim_tail(idx_ptr + bs.to(tl.int64) * topk, 0, topk, SCAN_N)   # drop a -1 tail
+    for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + bs.to(tl.int64) * topk + offs_n, mask=offs_n < topk, other=-1)
+        idx = tl.load(idx_ptr + bs.to(tl.int64) * topk + offs_n, mask=offs_n < end, other=-1)
         valid = idx >= 0
         rows = tl.where(valid, idx, 0).to(tl.int64)
         k = tl.load(kv_ptr + rows[:, None] * D + offs_d[None, :],
@@ -90,6 +106,7 @@ def sparse_mla_simt(q, kv, indices, sink, scale, d_v, *, block_n=None, num_warps
         q, kv, indices, sink if sink is not None else lse, out, lse,
         H, topk, scale * LOG2E,
         D=D, DV=d_v, BLOCK_D=block_d, BLOCK_N=block_n, HAS_SINK=sink is not None,
+        SCAN_N=32 if q.device.type != "cuda" else 512,
         num_warps=num_warps,
     )
     return out, lse

@@ -4,7 +4,8 @@
     python3 scripts/tune_moe.py --dry-run      # tiny shape in the interpreter (CPU smoke)
 
 For every candidate config (tile sizes BM/BN/BK, split-K of the down projection,
-tensor-core dot vs CUDA-core multiply-reduce for tiny M, num_warps, num_stages), both
+tensor-core dot vs CUDA-core multiply-reduce for tiny M, the swap-AB dot, num_warps,
+num_stages), both
 formats and T in {1, 64} (then 8, 256 while the time budget lasts): CUDA-graph time,
 fraction of the FP4-bytes roofline, and a check against the fp32 torch reference (a
 wrong variant is flagged WRONG and never ranked). Candidates run in priority order; when
@@ -43,6 +44,11 @@ def _c(**kw):
 
 # priority order: the most informative first (the budget may cut the tail)
 CANDIDATES = [
+    # experimental swap AB (weights on the dot's M side; see kernels/moe.py), untimed so far
+    _c(SWAP_AB=True, BN1=64, BN2=64),
+    _c(SWAP_AB=True, BN1=128, BN2=128),
+    _c(SWAP_AB=True, BN1=128, BN2=128, num_warps=8),
+    # the 2026-11-29 sweep, in its order (#2 BN64/64 and #6 BN32/64 S2 won: now CONFIGS)
     _c(),
     _c(BN1=16, BN2=16),
     _c(BN1=64, BN2=64),
@@ -64,7 +70,7 @@ CANDIDATES = [
 
 def short(cfg: dict) -> str:
     d = dict(cfg)
-    kind = "dot" if d.pop("USE_DOT") else "fma"
+    kind = ("swapAB" if d.pop("SWAP_AB", False) else "dot") if d.pop("USE_DOT") else "fma"
     return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
             f"S{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}")
 
@@ -72,14 +78,15 @@ def short(cfg: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shape, interpreter-friendly")
-    ap.add_argument("--budget", type=float, default=80.0, help="stop starting candidates after this many s")
+    ap.add_argument("--budget", type=float, default=90.0, help="stop starting candidates after this many s")
     ap.add_argument("--tokens", default="1,64,8,256", help="T values, in priority order")
     args = ap.parse_args()
     dev = runtime.device()
     if args.dry_run:
         shape = dict(E=8, H=64, I=64, topk=2)
         tokens = (1, 4)
-        cands = [_c(BK1=64, BK2=64), _c(USE_DOT=False, BM=1, BK1=32, BK2=32), _c(BN2=16, SPLIT2=2, BK2=32)]
+        cands = [_c(BK1=64, BK2=64), _c(USE_DOT=False, BM=1, BK1=32, BK2=32), _c(BN2=16, SPLIT2=2, BK2=32),
+                 _c(SWAP_AB=True, BN1=16, BN2=16, BK1=32, BK2=32)]
         gen_cpu = torch.Generator().manual_seed(0)
         experts = {f: _quantised_experts(shape["E"], shape["H"], shape["I"], f, dev, gen_cpu)
                    for f in ("mxfp4", "nvfp4")}
@@ -110,6 +117,15 @@ def main() -> int:
     print(f"tune_moe: {runtime.versions() if hasattr(runtime, 'versions') else ''}")
     print(f"shape {shape}; setup {time.time() - T0:.1f} s; {len(cands)} candidates, budget {args.budget:.0f} s")
     rows, skipped = [], []
+    out_dir = os.environ.get("OUT") or "."
+    path = os.path.join(out_dir, "tune_moe.json")
+
+    def dump():   # after every candidate too: a crash (e.g. a compiler abort) keeps the rows so far
+        with open(path, "w") as f:
+            json.dump(dict(shape=shape, tokens=list(tokens), dry_run=args.dry_run,
+                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                           triton=__import__("triton").__version__, torch=torch.__version__,
+                           rows=rows, skipped=skipped, wall_s=time.time() - T0), f, indent=1, default=str)
     time_kw = dict(warmup_ms=3, rep_ms=15) if not args.dry_run else {}
     for ci, cfg in enumerate(cands):
         for fmt, ex in experts.items():
@@ -142,6 +158,7 @@ def main() -> int:
                 print(f"  [{time.time() - T0:5.1f}s] #{ci:<2} {fmt:<5} T={T:<4} {us:9.1f} us "
                       f"frac {row.get('roofline_fraction', 0):.3f} err {row.get('err', float('nan')):.1e} "
                       f"{'' if row['ok'] else 'WRONG/ERROR '}{row.get('error', '')} {row['cfg']}", flush=True)
+        dump()
     # ---- the ranked table: per (T, fmt) best first; then the NVFP4 / MXFP4 ratio
     print("\nranked (ok rows only; us = CUDA-graph median):")
     print(f"{'T':>4} {'fmt':<6} {'us':>9} {'frac':>6}  config")
@@ -160,13 +177,7 @@ def main() -> int:
     wrong = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} rows, {len(wrong)} wrong/error, skipped (budget): {skipped or 'none'}; "
           f"{time.time() - T0:.1f} s")
-    out_dir = os.environ.get("OUT") or "."
-    path = os.path.join(out_dir, "tune_moe.json")
-    with open(path, "w") as f:
-        json.dump(dict(shape=shape, tokens=list(tokens), dry_run=args.dry_run,
-                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       triton=__import__("triton").__version__, torch=torch.__version__,
-                       rows=rows, skipped=skipped, wall_s=time.time() - T0), f, indent=1, default=str)
+    dump()
     print(f"wrote {path}")
     return 0
 

@@ -15,16 +15,8 @@ from hypothesis import strategies as st
 from dsv4lab.engine import Engine, PagedKVCache, decode_text
 from dsv4lab.model import DSV4, tiny_config
 
-TORCH = {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"}
-TRITON = {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"}
+from _model_support import TORCH, TRITON, _one_thread  # noqa: F401  (autouse fixture)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 _MODELS = {}

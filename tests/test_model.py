@@ -18,19 +18,10 @@ from dsv4lab.model import (DSV4, Block, HyperConnection, LayerCache, load_checkp
                            save_checkpoint, sinkhorn, tiny_config)
 from dsv4lab import ops
 
-TORCH = {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"}
-TRITON = {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"}
+from _model_support import TORCH, TRITON, _one_thread  # noqa: F401  (autouse fixture)
 FP32_TOL = 1e-4
 KERNEL_TOL = 2e-3
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny matmuls: one thread is ~100x faster than two on a busy 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _model(seed=0, fmt="mxfp4", **changes):

@@ -80,6 +80,36 @@ def test_hash_route():
         hash_route(torch.tensor([0.5]), table)
 
 
+def test_hash_route_skips_host_checks_while_capturing(monkeypatch):
+    # during CUDA-graph capture hash_route must not read a tensor value on the host: with
+    # capture faked on, any int()/item()/bool() of a tensor raises; results are unchanged
+    from dsv4lab.ops import moe as moe_ops
+    table = torch.tensor([[0, 1], [2, 3], [3, 0]], dtype=torch.int32)
+    tok = torch.tensor([2, 0, 1])
+    logits = torch.randn(3, 4)
+    want = [hash_route(tok, table), hash_route(tok, table, logits)]
+
+    def no_host_read(*a, **k):
+        raise AssertionError("host read of a tensor value during capture")
+
+    with monkeypatch.context() as m:
+        m.setattr(moe_ops, "_is_capturing", lambda t: True)
+        for name in ("__int__", "__bool__", "item"):
+            m.setattr(torch.Tensor, name, no_host_read)
+        got = [hash_route(tok, table), hash_route(tok, table, logits)]
+        with pytest.raises(ValueError, match="token_ids"):     # shape/dtype checks still run
+            hash_route(torch.tensor([0.5]), table)
+        with pytest.raises(ValueError, match="router_logits"):
+            hash_route(tok, table, torch.randn(2, 4))
+    for (gi, gw), (wi, ww) in zip(got, want):
+        assert torch.equal(gi, wi)
+        torch.testing.assert_close(gw, ww)
+    with pytest.raises(AssertionError, match="host read"):     # the trap does fire unguarded
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__int__", no_host_read)
+            hash_route(tok, table)
+
+
 def test_route_bad_inputs():
     with pytest.raises(ValueError, match="router_logits"):
         route(torch.randn(4), None)
@@ -187,7 +217,10 @@ def test_prefill_config_and_torch_align_path(monkeypatch):
 
 
 VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=32),
-            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT2=2)]
+            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT2=2),
+            # swap AB: weights on the dot's M side (acc [BN, BM], transposed once at the end)
+            dict(BM=16, BN1=16, BN2=32, BK1=64, BK2=32, SWAP_AB=True),
+            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT2=2, SWAP_AB=True)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -195,8 +228,26 @@ VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=3
 def test_triton_variants_mixed_scales(fmt, cfg):
     # the tuning variants (CUDA-core tiny-M path, split-K, tile sizes) on rows whose block
     # scales span 2**-20..1: MXFP4 folds 2**(s - smax) into fp16 weights per K-step
+    _mixed_scales_case(fmt, cfg, 64, 64)
+
+
+# DECODE32: int32 words of 4 packed bytes, K permuted alike for x and w, four K = BK/8 dot
+# slices a step (tensor cores need BK >= 128, hence the larger H and I); + the CUDA-core path
+VARIANTS32 = [dict(BM=16, BN1=16, BN2=16, BK1=128, BK2=128, DECODE32=True),
+              dict(BM=16, BN1=32, BN2=16, BK1=256, BK2=128, DECODE32=True, SWAP_AB=True),
+              dict(BM=16, BN1=16, BN2=32, BK1=128, BK2=64, SPLIT2=2, DECODE32=True),
+              dict(BM=1, USE_DOT=False, BK1=32, BK2=64, DECODE32=True)]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("cfg", VARIANTS32, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_triton_decode32_mixed_scales(fmt, cfg):
+    _mixed_scales_case(fmt, cfg, 256, 128)
+
+
+def _mixed_scales_case(fmt, cfg, H, I):
     from dsv4lab.kernels import moe as kmoe
-    E, H, I, T, k = 2, 64, 64, 3, 2
+    E, T, k = 2, 3, 2
     g = torch.Generator().manual_seed(7)
     w13 = torch.randn(E, 2 * I, H // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, 2 * I, H // 32, 1), generator=g).float())
     w2 = torch.randn(E, H, I // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, H, I // 32, 1), generator=g).float())
@@ -226,6 +277,29 @@ def test_triton_bad_config():
         kmoe.fused_moe(*args, config=dict(BM=4, USE_DOT=True))
     with pytest.raises(ValueError, match="unknown keys"):
         kmoe.fused_moe(*args, config=dict(BLOCK=4))
+    with pytest.raises(ValueError, match="SWAP_AB needs USE_DOT"):
+        kmoe.fused_moe(*args, config=dict(BM=1, USE_DOT=False, SWAP_AB=True))
+
+
+def test_config_table_per_format():
+    # every row of the tuning table has a valid config for both formats; config_for picks
+    # by rows per expert (T=1 / T=64 / T=256 / prefill at Flash's E=256, k=6)
+    from dsv4lab.kernels import moe as kmoe
+    bounds = [b for b, _ in kmoe.CONFIGS]
+    assert bounds == sorted(bounds) and bounds[-1] == float("inf")
+    for _, row in kmoe.CONFIGS:
+        assert set(row) == {"mxfp4", "nvfp4"}
+        for cfg in row.values():
+            assert set(cfg) <= set(kmoe.CONFIG_KEYS) and not cfg.get("SWAP_AB", False)
+            assert not cfg.get("DECODE32", False)          # untimed: a bench variant only
+            assert cfg["BM"] >= 16 or not cfg["USE_DOT"]
+    for T in (1, 64, 256, 4096):
+        r = kmoe.rows_per_expert(T, 6, 256)
+        for fmt in ("mxfp4", "nvfp4"):
+            want = next(c[fmt] for b, c in kmoe.CONFIGS if r <= b)
+            got = kmoe.config_for(T, 6, 256, fmt)
+            assert {k: v for k, v in got.items() if k != "num_stages"} == \
+                {k: v for k, v in want.items() if k != "num_stages"}
 
 
 @settings(max_examples=10, deadline=None)
@@ -330,6 +404,58 @@ def test_gpu_flash_shape(fmt, T):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_swap_ab_variant(fmt, T):
+    # the experimental swap-AB dot (weights on the M side) at Flash's sizes, 32 experts
+    from dsv4lab.kernels import moe as kmoe
+    E, H, I, k = 32, 4096, 2048, 6
+    ex = make_experts(E, H, I, fmt, seed=11 + T, device="cuda", scale=0.02)
+    torch.manual_seed(T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
+    ids[0, -1] = -1
+    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
+    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    for cfg in (dict(BN1=64, BN2=64, SWAP_AB=True),
+                dict(BN1=128, BN2=128, SWAP_AB=True, num_warps=8, SPLIT2=2),
+                # DECODE32 (int32 words of packed bytes), as timed by `dsv4lab bench moe`
+                dict(BN1=64, BN2=64, DECODE32=True),
+                dict(BN1=64, BN2=64, DECODE32=True, SWAP_AB=True),
+                dict(BN1=64, BN2=64, DECODE32=True, num_warps=2),
+                dict(BN1=32, BN2=64, DECODE32=True, SPLIT2=2)):
+        out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                             fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
+        assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_hash_route_cuda_graph_capture():
+    # hash_route inside a CUDA graph (no host sync), replayed with new token ids
+    V, E, k, T = 50, 16, 6, 5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randint(0, E, (V, k), device="cuda", generator=g, dtype=torch.int32)
+    tok = torch.randint(0, V, (T,), device="cuda", generator=g)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    hash_route(tok, table, logits)                       # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids_u, w_u = hash_route(tok, table)
+        ids_l, w_l = hash_route(tok, table, logits)
+    tok.copy_(torch.randint(0, V, (T,), device="cuda", generator=g))
+    logits.copy_(torch.randn(T, E, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    for (gi, gw), (wi, ww) in zip([(ids_u, w_u), (ids_l, w_l)],
+                                  [hash_route(tok, table), hash_route(tok, table, logits)]):
+        assert torch.equal(gi, wi)
+        torch.testing.assert_close(gw, ww)
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_skewed_prefill():
     E, H, I = 8, 1024, 512
     ex = make_experts(E, H, I, "mxfp4", device="cuda", scale=0.05)
@@ -372,3 +498,20 @@ def test_gpu_cuda_graph_capture_decode(fmt):
         with pytest.raises(ValueError, match="being captured"):
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 run_moe(x, bad, ids, w, fmt, 10.0, "triton")
+
+
+def test_kernel_config_passthrough_and_backend_check():
+    """ops.fused_moe's kernel_config reaches the Triton kernel (a named variant gives the
+    reference's answer) and is refused for any other backend."""
+    torch.manual_seed(3)
+    E, H, I, T = 4, 64, 64, 3
+    w13, s13 = mxfp4_quantize(torch.randn(E, 2 * I, H))
+    w2, s2 = mxfp4_quantize(torch.randn(E, H, I))
+    x = torch.randn(T, H)
+    ids, w = route(torch.randn(T, E), None, topk=2)
+    ref = fused_moe(x, w13, s13, w2, s2, ids, w, backend="torch")
+    got = fused_moe(x, w13, s13, w2, s2, ids, w, backend="triton",
+                    kernel_config=dict(SWAP_AB=True, BN1=16, BN2=16))
+    assert (got - ref).abs().max() <= 3e-3 * ref.abs().max()
+    with pytest.raises(ValueError, match="kernel_config applies to the 'triton' backend only"):
+        fused_moe(x, w13, s13, w2, s2, ids, w, backend="torch", kernel_config={})

@@ -188,6 +188,38 @@ def test_mma_fp8_dequant_paths(fp8_hw):
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["simt", "mma"])
+@pytest.mark.parametrize("layout", ["prefix", "scattered", "none"])
+def test_mostly_empty_long_lists(backend, layout):
+    """A long index list that is almost all -1 (the ratio-128 layers' max-context lists):
+    the kernels drop the dead tail tiles; the answer must not change. ``prefix``: a window
+    then entries then a -1 tail, as dsv4lab/step.py builds them; ``scattered``: a few valid
+    slots anywhere, incl. the very last; ``none``: one query with no valid slot at all.
+    (The interpreter scans 32 slots per load, so the tail scan takes several loads.)"""
+    q, kv, idx, snk = make_case(2, 2, 16, 32, 50, 300, dtype=torch.float32, sink=True,
+                                empty_frac=0.0, seed=3)
+    keep = torch.zeros_like(idx, dtype=torch.bool)
+    if layout == "prefix":
+        for (b, s), n in zip([(0, 0), (0, 1), (1, 0), (1, 1)], [1, 17, 70, 5]):
+            keep[b, s, :n] = True
+    else:
+        g = torch.Generator().manual_seed(4)
+        keep = (torch.rand(idx.shape, generator=g) < 0.03).to(idx.device)
+        keep[0, 1, -1] = True
+        if layout == "none":
+            keep[1, 0] = False
+    idx = torch.where(keep, idx, torch.full_like(idx, -1))
+    for splits in (1, 3) if backend == "mma" else (None,):
+        if backend == "mma":
+            from dsv4lab.kernels.sparse_mla_mma import sparse_mla_mma
+            out, lse = sparse_mla_mma(q, kv, idx, snk, 32 ** -0.5, 32, num_splits=splits)
+        else:
+            out, lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="simt")
+        ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="torch")
+        torch.testing.assert_close(out, ref, **TOL[torch.float32])
+        torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.float32], rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["torch", "simt", "mma"])
 @pytest.mark.parametrize("sink", [False, True])
 def test_empty_rows(backend, sink):
@@ -348,6 +380,19 @@ def test_gpu_paged_and_fp32(paged):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend, fp8", [("mma", False), ("mma", True), ("simt", False)])
+def test_gpu_ratio128_long_lists(backend, fp8):
+    """A ratio-128 layer's list: a 128-slot window, then the entries seen so far, then
+    -1 up to the max-context length (8192 entries): the -1 tail is trimmed, same answer."""
+    q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, fp8=fp8, sink=True,
+                                empty_frac=0.0, seed=5, device="cuda")
+    for b, n in enumerate([128 + 1, 128 + 700, 128 + 8192]):   # last: no -1 at all
+        idx[b, :, n:] = -1
+    check_against_reference(q, kv, idx, snk, backend, d_v=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("B, S", [(1, 1), (8, 2)])
 def test_gpu_simt_real_shapes(B, S):
     q, kv, idx, snk = make_case(B, S, 64, 512, 8192, 2048, sink=True, device="cuda")
@@ -370,5 +415,64 @@ def test_gpu_cuda_graph_capture(fp8):
     ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
     graph.replay()
     torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# Named kernel variants (kernels/sparse_mla_mma.py VARIANTS, e.g. PREFETCH)
+# ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8, fp8_hw", [(False, None), (True, True), (True, False)])
+@pytest.mark.parametrize("lazy, splits", [(False, 0), (True, 3)])
+def test_mma_prefetch_matches_reference(fp8, fp8_hw, lazy, splits):
+    """PREFETCH (next tile's rows loaded before this tile's math): same answer as the
+    reference with -1 slots, a query with only -1, a -1 tail (trimmed), topk not a
+    multiple of the tile, splits and the lazy rescale; bf16 tolerance."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    D = 512 if fp8 else 64
+    q, kv, idx, snk = make_case(2, 2, 16, D, 90, 75, fp8=fp8, sink=True, empty_rows=[(0, 1)],
+                                seed=11 + splits)
+    idx[1, 0, 40:] = -1
+    cfg = Config(16, 4, 1, 16, lazy, splits, fp8_hw, True)
+    out, lse = sparse_mla_mma(q, kv.reshape(-1, kv.shape[-1]), idx, snk.float(), D ** -0.5, D,
+                              fp8=fp8, config=cfg)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=D, attn_sink=snk, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
+def test_named_variants_through_the_op():
+    """Every name in VARIANTS runs through sparse_mla_decode_with_config (the bench's entry)
+    and matches the reference; an unknown name is a ValueError."""
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    q, kv, idx, snk = make_case(1, 2, 16, 64, 70, 50, sink=True, seed=4)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=64, attn_sink=snk, backend="torch")
+    assert mma_variants()
+    for name in mma_variants():
+        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=name, d_v=64, attn_sink=snk)
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+        torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+    with pytest.raises(ValueError, match="config"):
+        sparse_mla_decode_with_config(q, kv, idx, config="no_such_variant", d_v=64)
+
+
+def _variant_names():
+    from dsv4lab.ops.attention import mma_variants
+    return sorted(mma_variants())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant", _variant_names())
+@pytest.mark.parametrize("B, S, fp8", [(64, 1, False), (8, 2, True), (3, 4, False)])
+def test_gpu_mma_variants(variant, B, S, fp8):
+    """Each named variant at real shapes (B 64 splits, B 8 / 3 x 4 too), bf16 and FP8."""
+    from dsv4lab.ops.attention import sparse_mla_decode_with_config
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, 2048 if B > 3 else 777, fp8=fp8,
+                                sink=True, seed=B + S, empty_rows=[(0, 0)], device="cuda")
+    idx[-1, -1, 1000:] = -1
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)

@@ -14,17 +14,9 @@ import torch
 from dsv4lab.engine import Engine, Generation
 from dsv4lab.model import DSV4, load_checkpoint, tiny_config
 
-TORCH = {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"}
-TRITON = {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"}
+from _model_support import TORCH, TRITON, _one_thread  # noqa: F401  (autouse fixture)
 CKPT = Path(__file__).resolve().parent.parent / "data" / "checkpoints" / "mini.safetensors"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 _BASE = {}

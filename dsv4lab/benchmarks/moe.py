@@ -83,10 +83,24 @@ def _row(T, impl, fmt, hit, n_pairs, shape, timing, basis_fmt):
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'T':>4} {'impl':<11} {'fmt':<6} {'hit':>4} {'us':>11} {'roof us':>9} {'frac':>7}  timing")
+    print(f"{'T':>4} {'impl':<17} {'fmt':<6} {'hit':>4} {'us':>11} {'roof us':>9} {'frac':>7}  timing")
     for r in rows:
-        print(f"{r['T']:>4} {r['impl']:<11} {r['fmt']:<6} {r['experts_hit']:>4} {r['ms'] * 1e3:>11.1f} "
+        print(f"{r['T']:>4} {r['impl']:<17} {r['fmt']:<6} {r['experts_hit']:>4} {r['ms'] * 1e3:>11.1f} "
               f"{r['roofline_ms'] * 1e3:>9.2f} {r.get('roofline_fraction', 0):>7.4f}  {r['timing']}")
+
+
+# Experimental layouts of kernels/moe.py, timed beside the default table (at the target
+# token counts only, to keep the bench short) so their rows are on record before one becomes
+# a default: swap AB (weights on the dot's M side: wgmma on sm_90) and DECODE32 (packed
+# bytes read as int32 words and decoded two nibbles per 32-bit op: ~15-25% fewer
+# instructions a K-step in the sm_90 PTX; the decode loop is instruction-bound).
+SWAP_AB_VARIANTS = [
+    ("triton_swapAB64", dict(SWAP_AB=True, BN1=64, BN2=64)),
+    ("triton_dec32", dict(DECODE32=True, BN1=64, BN2=64)),
+    ("triton_dec32_sw64", dict(DECODE32=True, SWAP_AB=True, BN1=64, BN2=64)),
+    ("triton_dec32_w2", dict(DECODE32=True, BN1=64, BN2=64, num_warps=2)),
+]
+VARIANT_TOKENS = (1, 64)
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
@@ -118,6 +132,14 @@ def bench_moe(smoke: bool) -> list[dict]:
                 return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
                                  swiglu_limit=SWIGLU_LIMIT, backend="triton", **ex["kw"])
             rows.append(_row(T, "triton", fmt, hit, pairs, shape, bench.time_graph(run), fmt))
+            for name, cfg in ([] if smoke or T not in VARIANT_TOKENS else SWAP_AB_VARIANTS):
+                def run_variant(ex=ex, fmt=fmt, cfg=cfg):
+                    return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                                     fmt=fmt, swiglu_limit=SWIGLU_LIMIT, backend="triton",
+                                     kernel_config=cfg, **ex["kw"])
+                row = _row(T, name, fmt, hit, pairs, shape, bench.time_graph(run_variant), fmt)
+                row["kernel_config"] = cfg
+                rows.append(row)
         ex = experts["mxfp4"]
 
         def ref():

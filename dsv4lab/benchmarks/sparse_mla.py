@@ -5,7 +5,10 @@ S_q in {1, 2, 4} with bf16 and with FP8 KV; the plain torch code a user would wr
 ("torch_user", bf16 gather-einsum-softmax) and the SIMT kernel at a few points. Every
 call is timed from a CUDA graph; small cases put several calls on rotated inputs into
 one graph (``calls_per_graph``) so the KV rows are not served from L2. Smoke mode: tiny
-shapes (Triton's interpreter on the CPU). Rows carry the roofline of the problem:
+shapes (Triton's interpreter on the CPU). Named kernel variants (``VARIANTS`` of
+kernels/sparse_mla_mma.py, e.g. the PREFETCH software pipeline) are timed at the target
+shapes only, as rows with backend "mma_variant", a ``variant`` name and the exact
+``config`` (a separate backend name, so they never shadow the default "mma" rows). Rows carry the roofline of the problem:
 bytes = unique KV rows read once + q + out, flops = 2 B S_q H topk (D + d_v).
 
 Explained in notebooks/01_simt_baseline.ipynb and notebooks/02_mma_attention.ipynb.
@@ -18,6 +21,7 @@ import torch
 
 from dsv4lab import bench, runtime
 from dsv4lab.ops import sparse_mla_decode
+from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
 from dsv4lab.quant import pack_kv_fp8
 from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
 
@@ -101,15 +105,21 @@ def _time(fn_one, sets, warmup_ms, rep_ms):
     return bench.time_graph(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
+VARIANT_NAMES = ("prefetch_n32", "prefetch_n64")   # keys of sparse_mla_mma.VARIANTS
+
+
 def plan(smoke: bool) -> dict:
     """Which (backend, kv, B, S_q, topk) points the benchmark measures."""
     if smoke:
         return {"heads": 16, "dim": 64, "context": 64, "min_rows": 0, "warmup_ms": 1, "rep_ms": 1,
+                "variant_rep_ms": 1, "variants": [("prefetch_n32", "bf16", 1, 1, 40)],
                 "mma": [(1, 1, 40), (2, 2, 40)], "mma_fp8": [(1, 1, 24)],
                 "simt": [(1, 1, 40)], "torch_user": [(1, 1, 40)], "torch": [(1, 1, 40)]}
     sweep = [(B, S, T) for B in (1, 8, 32, 64, 128) for T in (640, 2048) for S in (1, 2, 4)]
     return {"heads": H, "dim": D, "context": CONTEXT, "min_rows": MIN_CACHE_ROWS,
-            "warmup_ms": 10, "rep_ms": 40,
+            "warmup_ms": 10, "rep_ms": 40, "variant_rep_ms": 20,
+            "variants": [(v, kv, B, S, T) for v in VARIANT_NAMES for kv in ("bf16", "fp8")
+                         for (B, S, T) in ((64, 1, 2048), (128, 2, 2048))],
             "mma": sweep, "mma_fp8": sweep,
             "simt": [(1, 1, 2048), (8, 1, 2048), (64, 1, 2048), (128, 2, 2048)],
             "torch_user": [(1, 1, 640), (1, 1, 2048), (8, 1, 2048), (64, 1, 2048), (128, 2, 2048)],
@@ -128,24 +138,36 @@ def sparse_mla_bench(smoke: bool) -> list[dict]:
     scale = dim ** -0.5
     fp8_dim = D
     rows = []
-    print(f"{'backend':>10} {'kv':>4} {'B':>4} {'S_q':>3} {'topk':>5} {'us':>10} {'roof us':>8} {'frac':>6}")
+    print(f"{'backend':>12} {'kv':>4} {'B':>4} {'S_q':>3} {'topk':>5} {'us':>10} {'roof us':>8} {'frac':>6}")
     jobs = [(name, B, S, T) for name in ("mma", "mma_fp8", "simt", "torch_user", "torch")
             for (B, S, T) in p[name]]
+    jobs += [(f"var:{v}:{kv}", B, S, T) for (v, kv, B, S, T) in p.get("variants", [])]
     by_b: dict[tuple, _Cases] = {}
-    for name, B, S, T in sorted(jobs, key=lambda j: (j[1], j[0] != "mma_fp8")):
-        fp8 = name == "mma_fp8"
+    is_fp8 = lambda name: name == "mma_fp8" or name.endswith(":fp8")   # noqa: E731
+    for name, B, S, T in sorted(jobs, key=lambda j: (j[1], not is_fp8(j[0]))):
+        fp8 = is_fp8(name)
         this_dim = fp8_dim if fp8 else dim
         key = (B, this_dim)
         if key not in by_b:
             by_b.clear()            # one batch size's caches at a time
             if runtime.has_cuda():
                 torch.cuda.empty_cache()
-            need_fp8 = any(j[0] == "mma_fp8" and j[1] == B for j in jobs) and this_dim == fp8_dim
+            need_fp8 = any(is_fp8(j[0]) and j[1] == B for j in jobs) and this_dim == fp8_dim
             by_b[key] = _Cases(B, heads=heads, dim=this_dim, context=max(p["context"], T),
                                min_rows=p["min_rows"], device=dev, fp8=need_fp8)
         c = by_b[key]
         sets = c.inputs(S, T, c.rotate)
-        if name in ("mma", "mma_fp8", "simt", "torch"):
+        variant, rep_ms = None, p["rep_ms"]
+        if name.startswith("var:"):
+            variant, rep_ms = name.split(":")[1], p["variant_rep_ms"]
+            backend = "mma_variant"
+            kv = c.kv_fp8 if fp8 else c.kv
+            fn = (lambda q, idx, kv=kv, dd=this_dim, v=variant: sparse_mla_decode_with_config(
+                q, kv, idx, config=v, d_v=dd, softmax_scale=dd ** -0.5, attn_sink=c.sink,
+                check_indices=False))
+            row_bytes = FP8_ROW_BYTES if fp8 else this_dim * 2
+            kv_fmt = "fp8" if fp8 else "bf16"
+        elif name in ("mma", "mma_fp8", "simt", "torch"):
             backend = "mma" if name.startswith("mma") else name
             kv = c.kv_fp8 if fp8 else c.kv
             fn = (lambda q, idx, kv=kv, backend=backend, dd=this_dim: sparse_mla_decode(
@@ -159,11 +181,13 @@ def sparse_mla_bench(smoke: bool) -> list[dict]:
             row_bytes, kv_fmt = this_dim * 2, "bf16"
         for q, idx in sets[:1]:
             fn(q, idx)              # compile, tune, warm up outside the graph
-        timing = _time(fn, sets, p["warmup_ms"], p["rep_ms"])
+        timing = _time(fn, sets, p["warmup_ms"], rep_ms)
         row = _row(backend, kv_fmt, B, S, T, heads, this_dim, this_dim, timing, len(sets),
                    sets[0][1], row_bytes)
+        if variant is not None:
+            row["variant"], row["config"] = variant, list(mma_variants()[variant])
         rows.append(row)
-        print(f"{backend:>10} {kv_fmt:>4} {B:>4} {S:>3} {T:>5} {row['ms'] * 1e3:>10.1f} "
+        print(f"{(variant or backend):>12} {kv_fmt:>4} {B:>4} {S:>3} {T:>5} {row['ms'] * 1e3:>10.1f} "
               f"{row['roofline_ms'] * 1e3:>8.1f} {row['roofline_fraction']:>6.2f}")
     return rows
 

@@ -8,8 +8,9 @@ S_q = k + 1 verify, the Triton indexer and the Triton MXFP4 MoE), timed whole (p
 included, the same for every row) with :func:`dsv4lab.bench.time_fn`. Rows carry tokens/s,
 speedup over plain decoding, whether the tokens are identical to plain decoding, the
 acceptance of each draft position, and the mean accepted length (tokens per verify step).
-Two more rows run the draft layer's MoE on the torch backend (dequantise + fp32 matmul)
-instead of Triton, at concurrency 1 and 3 drafts.
+One more row runs the draft layer's MoE on the torch backend (dequantise + fp32 matmul)
+instead of Triton, at concurrency 1 and 3 drafts (eagerly, ``ALT_NEW`` tokens, its speedup
+against plain decoding of the same length).
 
 Needs data/checkpoints/mini.safetensors (``dsv4lab train``); without it (smoke mode
 only) a random tiny model is used. Explained in notebooks/05_mtp_speculative.ipynb.
@@ -26,6 +27,7 @@ from dsv4lab.model import DSV4, load_checkpoint, tiny_config
 
 CKPT = Path(__file__).resolve().parents[2] / "data" / "checkpoints" / "mini.safetensors"
 NEW = 128
+ALT_NEW = 32            # the eager torch-draft-MoE row (it is ~10x slower per token)
 CONCURRENCY = (1, 8)
 DRAFTS = (0, 1, 2, 3)
 TORCH = {"sparse_mla_decode": "torch", "indexer_topk": "torch_fallback", "fused_moe": "torch"}
@@ -78,9 +80,9 @@ def bench_spec(smoke: bool) -> list[dict]:
     rows = []
     timing = dict(warmup_ms=50, rep_ms=300) if gpu else dict(cpu_reps=1)
 
-    def run(ps, k, engine, draft_moe):
-        out = engine.generate(ps, new, num_draft=k, progress=False)
-        t = bench.time_fn(lambda: engine.generate(ps, new, num_draft=k, progress=False), **timing)
+    def run(ps, k, engine, draft_moe, n=new):
+        out = engine.generate(ps, n, num_draft=k, progress=False)
+        t = bench.time_fn(lambda: engine.generate(ps, n, num_draft=k, progress=False), **timing)
         return out, t
 
     for conc in concs:
@@ -90,17 +92,20 @@ def bench_spec(smoke: bool) -> list[dict]:
             out, t = run(ps, k, eng, eng.draft_backends.get("fused_moe"))
             plain = plain or (out, t)
             rows.append(_row(conc, k, out, t, plain, new, eng, eng.draft_backends["fused_moe"], source))
-    # the draft layer's MoE on the torch reference backend instead of Triton
+    # the draft layer's MoE on the torch reference backend instead of Triton. The torch
+    # MoE reads routing on the host, so that engine runs eagerly (no CUDA graph): a short
+    # generation (ALT_NEW tokens), against a plain run of the same length
     if not smoke or not gpu:
         k = max(drafts)
         alt = "torch" if eng.draft_backends["fused_moe"] != "torch" else "triton"
         if gpu or alt == "torch":
+            alt_new = min(new, ALT_NEW)
             eng2 = Engine(model, max_batch=1, max_len=eng.max_len, backends=dict(eng.backends),
-                          draft_backends=dict(eng.backends, fused_moe=alt))
-            base = [r for r in rows if r["concurrency"] == 1 and r["num_draft"] == 0][0]
-            out, t = run(prompts[:1], k, eng2, alt)
-            plain_out = eng.generate(prompts[:1], new, progress=False)
-            rows.append(_row(1, k, out, t, (plain_out, {"ms": base["ms"]}), new, eng2, alt, source))
+                          draft_backends=dict(eng.backends, fused_moe=alt),
+                          cuda_graphs=False if alt == "torch" else None)
+            out, t = run(prompts[:1], k, eng2, alt, alt_new)
+            plain = run(prompts[:1], 0, eng, None, alt_new)
+            rows.append(_row(1, k, out, t, plain, alt_new, eng2, alt, source))
     print_table(rows)
     return rows
 

@@ -62,6 +62,41 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     return impl.fn(q, kv_flat, indices, d_v=d_v, scale=scale, sink=sink, fp8=fp8)
 
 
+def sparse_mla_decode_with_config(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                                  config, d_v: int = 512, softmax_scale: float | None = None,
+                                  attn_sink: torch.Tensor | None = None,
+                                  check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sparse_mla_decode` on the "mma" backend with an explicit launch configuration
+    (a ``Config`` of kernels/sparse_mla_mma.py or one of its ``VARIANTS`` names): for the
+    benchmark's variant rows and tests. Same checks, same result.
+
+    Explained in notebooks/02_mma_attention.ipynb.
+    """
+    from dsv4lab.kernels import sparse_mla_mma
+    if isinstance(config, str):
+        if config not in sparse_mla_mma.VARIANTS:
+            raise ValueError(f"config must be a Config or one of {sorted(sparse_mla_mma.VARIANTS)}, "
+                             f"got {config!r}")
+        config = sparse_mla_mma.VARIANTS[config]
+    kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink,
+                                       check_indices)
+    backends.resolve(OP, "mma", fmt="fp8" if fp8 else "dense", device=q.device)
+    if not kv.is_contiguous():
+        raise ValueError("kv must be contiguous for the Triton backends (a cache allocated "
+                         f"as one tensor is); got strides {tuple(kv.stride())}")
+    return sparse_mla_mma.sparse_mla_mma(q.contiguous(), kv_flat, indices.contiguous(), sink,
+                                         scale, d_v, fp8=fp8, config=config)
+
+
+def mma_variants() -> dict:
+    """The MMA kernel's named launch variants {name: Config} (kernels/sparse_mla_mma.py).
+
+    Explained in notebooks/02_mma_attention.ipynb.
+    """
+    from dsv4lab.kernels import sparse_mla_mma
+    return dict(sparse_mla_mma.VARIANTS)
+
+
 def _check(q, kv, indices, d_v, softmax_scale, attn_sink, check_indices):
     """All input checks, before any kernel; returns (kv as [N, row], fp8, scale, sink)."""
     for name, t in (("q", q), ("kv", kv), ("indices", indices)):

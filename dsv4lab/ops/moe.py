@@ -102,7 +102,10 @@ def hash_route(token_ids: torch.Tensor, table: torch.Tensor, router_logits: torc
     Returns ``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``. With ``router_logits
     [T, E]`` the weights are the reference design's: unbiased scores of the hashed experts,
     normalised, times ``routed_scaling_factor``; without them, uniform
-    ``routed_scaling_factor / k``. Explained in notebooks/04_mxfp4_moe_port.ipynb.
+    ``routed_scaling_factor / k``. No host synchronisation while a CUDA graph is being
+    captured: the value checks (token ids inside the table, expert ids inside ``[0, E)``)
+    then are skipped, as in :func:`fused_moe`; shape/dtype/device checks always run.
+    Explained in notebooks/04_mxfp4_moe_port.ipynb.
     """
     if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in _INTS or token_ids.dim() != 1:
         raise ValueError(f"token_ids must be a 1-D int32/int64 tensor [T], got "
@@ -114,7 +117,8 @@ def hash_route(token_ids: torch.Tensor, table: torch.Tensor, router_logits: torc
         raise ValueError(f"table is on {table.device}, token_ids on {token_ids.device}")
     _check_route_opts(score, routed_scaling_factor)
     V, k = table.shape
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
+    capturing = _is_capturing(token_ids)      # value checks need the host: skipped in a capture
+    if token_ids.numel() and not capturing and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
         raise ValueError(f"token_ids must lie in [0, {V}) (the table's vocab), got "
                          f"[{int(token_ids.min())}, {int(token_ids.max())}]")
     ids = table[token_ids.long()]
@@ -127,7 +131,7 @@ def hash_route(token_ids: torch.Tensor, table: torch.Tensor, router_logits: torc
         raise ValueError(f"router_logits must be a float [T={T}, E] tensor, got "
                          f"{getattr(router_logits, 'dtype', None)} {list(getattr(router_logits, 'shape', []))}")
     E = router_logits.shape[1]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+    if ids.numel() and not capturing and (int(ids.min()) < 0 or int(ids.max()) >= E):
         raise ValueError(f"table holds expert ids outside [0, E={E})")
     w = _scores(router_logits, score).gather(1, ids.long())
     return ids.to(torch.int32), _finish_weights(w, norm_topk_prob, routed_scaling_factor)
@@ -310,11 +314,12 @@ def _fused_moe_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *,
 @backends.register("fused_moe", "triton", kind="triton", priority=20, formats=FORMATS,
                    description="the portable Triton port (kernels/moe.py): sm_80/90/120, interpreter")
 def _fused_moe_triton(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
-                      w13_global, w2_global, swiglu_limit):
+                      w13_global, w2_global, swiglu_limit, kernel_config=None):
     """Grouped FP4 MoE in Triton: dequantise in registers, fused SwiGLU, weighted combine."""
     from dsv4lab.kernels import moe as kmoe
     return kmoe.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
-                          w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit)
+                          w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit,
+                          config=kernel_config)
 
 
 def _flashinfer_missing() -> str | None:
@@ -338,20 +343,28 @@ def _fused_moe_trtllm(*args, **kwargs):
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
               w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
               fmt: str = "mxfp4", w13_global=None, w2_global=None,
-              swiglu_limit: float | None = None, backend: str = "auto") -> torch.Tensor:
+              swiglu_limit: float | None = None, backend: str = "auto",
+              kernel_config: dict | None = None) -> torch.Tensor:
     """Routed experts over FP4 weights: ``[T, hidden]`` in x's dtype.
 
     ``w13 uint8 [E, 2I, hidden/2]`` (gate rows, then up rows), ``w2 uint8 [E, hidden, I/2]``;
     scales uint8 E8M0 ``[.., K/32]`` (mxfp4) or float8_e4m3fn ``[.., K/16]`` with fp32
     global scales (a float, 0-d or per-expert [E]) for nvfp4. ``topk_ids`` -1 is skipped.
+    ``kernel_config`` overrides the Triton kernel's launch table (keys of
+    ``dsv4lab.kernels.moe.CONFIG_KEYS``; benchmarks use it to time named variants).
     Explained in notebooks/04_mxfp4_moe_port.ipynb.
     """
     E, inter, g13, g2 = check_fused_moe_args(
         x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
         w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit)
     chosen = backends.resolve("fused_moe", backend, fmt=fmt, device=x.device)
+    extra = {}
+    if kernel_config is not None:
+        if chosen.name != "triton":
+            raise ValueError(f"kernel_config applies to the 'triton' backend only; resolved {chosen.name!r}")
+        extra["kernel_config"] = dict(kernel_config)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     return chosen.fn(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
                      w13_global=g13, w2_global=g2,
-                     swiglu_limit=None if swiglu_limit is None else float(swiglu_limit))
+                     swiglu_limit=None if swiglu_limit is None else float(swiglu_limit), **extra)
