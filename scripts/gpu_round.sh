@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -m dsv4lab.cli env
 tests="$1"; shift
 if [ -n "$tests" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" $tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-1}" $tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 for b in "$@"; do
   echo "=== bench $b"
