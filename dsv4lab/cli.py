@@ -4,6 +4,7 @@
     dsv4lab report                                  executed notebooks -> build/html/ with an index
     dsv4lab bench NAME... [--smoke] [--no-record]   run registered benchmarks, record rows
     dsv4lab env                                     device and versions
+    dsv4lab targets [NAME...]                       the issues' targets, checked against recorded rows
     dsv4lab train ...                               train the mini model (see dsv4lab.train)
     dsv4lab lab ...                                 start JupyterLab on the notebooks
 
@@ -132,6 +133,19 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_targets(args) -> int:
+    from dsv4lab import targets
+    names = args.names or list(targets.BENCHES)
+    unknown = [n for n in names if n not in targets.BENCHES]
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(targets.BENCHES)}", file=sys.stderr)
+        return 2
+    for name in names:
+        print(f"== {name}")
+        print(targets.table(name))
+    return 0
+
+
 def cmd_train(args, rest) -> int:
     from dsv4lab import train
     return train.main(rest) or 0
@@ -159,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-record", action="store_true", help="print only; do not append rows")
     p.add_argument("--record", action="store_true", help="also record --smoke rows (not recorded by default)")
     sub.add_parser("env", help="device and versions")
+    p = sub.add_parser("targets", help="the issues' targets, checked against the recorded rows")
+    p.add_argument("names", nargs="*", help="benchmarks (default: all)")
     sub.add_parser("train", help="train the mini model (dsv4lab train --help)", add_help=False)
     sub.add_parser("lab", help="start JupyterLab on the notebooks (dsv4lab lab --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -168,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_lab(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"run": cmd_run, "report": cmd_report, "bench": cmd_bench, "env": cmd_env}[args.cmd](args)
+    return {"run": cmd_run, "report": cmd_report, "bench": cmd_bench, "env": cmd_env,
+            "targets": cmd_targets}[args.cmd](args)
 
 
 if __name__ == "__main__":
