@@ -46,11 +46,10 @@ def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 
     return {"ms": statistics.median(times), "timing": "interpreter_wall" if runtime.is_interpreter() else "cpu_wall"}
 
 
-def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
-    """Like :func:`time_fn`, but replays ``fn`` from a CUDA graph on the GPU."""
-    if not runtime.has_cuda():
-        return time_fn(fn)
-    import triton.testing
+def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``(graph, out)``: ``fn`` called twice on a side stream (warm-up), then captured once
+    in a CUDA graph; ``out`` is what the captured call returned (its buffers are the ones
+    ``graph.replay()`` rewrites). GPU only. Explained in notebooks/03_indexer_capping.ipynb."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -59,7 +58,16 @@ def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """Like :func:`time_fn`, but replays ``fn`` from a CUDA graph on the GPU."""
+    if not runtime.has_cuda():
+        return time_fn(fn)
+    import triton.testing
+    graph = capture_graph(fn)[0]
     ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return {"ms": float(ms), "timing": "cuda_graph"}
 

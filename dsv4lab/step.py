@@ -563,19 +563,7 @@ class StepDriver:
             return res
 
     def _capture(self, state, marks):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self.run(state)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            if marks is not None:
-                marks.begin()
-            self.run(state, marks if marks is not None else _nomark)
-        return g
+        return _capture_run(self.run, state, marks)
 
     def _graph_events(self, state, reps):
         from dsv4lab import bench
@@ -613,14 +601,7 @@ class StepDriver:
 
     def _summarise(self, samples, timing, replay_ms):
         """Medians per (layer, component) over the samples; components sum to the totals."""
-        acc: dict = {}
-        for seg in samples:
-            per: dict = {}
-            for layer, comp, ms in seg:
-                per[(layer, comp)] = per.get((layer, comp), 0.0) + ms
-            for k, v in per.items():
-                acc.setdefault(k, []).append(v)
-        med = {k: statistics.median(v) for k, v in acc.items()}
+        med = _segment_medians(samples)
         kind_ms = {r: {c: med.get((r, c), 0.0) for c in LAYER_COMPONENTS} for r in self.layers}
         head_ms = {c: med.get((HEAD, c), 0.0) for c in HEAD_COMPONENTS}
         measured = sum(sum(d.values()) for d in kind_ms.values()) + sum(head_ms.values())
@@ -673,6 +654,41 @@ class StepDriver:
         return row
 
 
+def _capture_run(run: Callable, state, marks, *, free_cache: bool = True):
+    """A CUDA graph of ``run(state, marks)`` (``marks.begin()`` first; ``run(state)`` when
+    ``marks`` is None), after one warm-up ``run(state)`` on a side stream and a sync (and
+    ``torch.cuda.empty_cache()`` when ``free_cache``). Shared with :mod:`dsv4lab.tp`."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(state)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if free_cache:
+        torch.cuda.empty_cache()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        if marks is not None:
+            marks.begin()
+            run(state, marks)
+        else:
+            run(state)
+    return g
+
+
+def _segment_medians(samples) -> dict:
+    """{(layer, component): median ms over the samples}, each sample's segments of the same
+    (layer, component) summed first. Shared with :mod:`dsv4lab.tp`."""
+    acc: dict = {}
+    for seg in samples:
+        per: dict = {}
+        for layer, comp, ms in seg:
+            per[(layer, comp)] = per.get((layer, comp), 0.0) + ms
+        for k, v in per.items():
+            acc.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in acc.items()}
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -704,26 +720,7 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
     h = blk.attn_norm(y)
     pos = meta.positions
     qr, q, kv = attn._qkv(h, pos)
-    kv_flat = cache.kv if cache.fp8 else M._flat(cache.kv)
-    attn._write(kv_flat, meta.slots, kv, cache.fp8)
-    mark("qkv")
-    parts = [meta.window]
-    if attn.ratio:
-        r = attn.ratio
-        ckv, cgate = attn.compressor.project(h)
-        M._flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
-        M._flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
-        bs = meta.block_slots[r]
-        ent = attn.compressor.pool(M._flat(cache.comp_kv)[bs], M._flat(cache.comp_gate)[bs],
-                                   meta.entry_pos[r])
-        attn._write(kv_flat, meta.entry_slot[r], ent, cache.fp8)
-        mark("compressor")
-        if attn.indexer is not None:
-            parts.append(attn._select(h, qr, meta, cache, be))
-            mark("indexer")
-        else:
-            parts.append(meta.all_entries[r])
-    idx = torch.cat(parts, dim=-1).int()
+    idx = write_and_select(attn, h, qr, kv, meta, cache, be, mark)
     o, _ = ops.sparse_mla_decode(
         q.to(h.dtype), cache.kv, idx, d_v=attn.head_dim, softmax_scale=attn.scale,
         attn_sink=attn.attn_sink.float(), backend=be.get("sparse_mla_decode", "auto"))
@@ -743,6 +740,38 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
     x = M.HyperConnection.post(m.view(B, S, d), x, post, comb)
     mark("mhc")
     return x
+
+
+def write_and_select(attn: M.Attention, h, qr, kv, meta: M.DecodeMeta, cache: M.LayerCache,
+                     be: dict, mark: Callable = lambda c: None) -> torch.Tensor:
+    """The middle of ``Attention.forward_decode``: write ``kv`` into ``cache``, then (for a
+    compressed layer) the compressor's new entries; return the KV indices attention reads
+    (the sliding window, then every compressed entry or the indexer's top-k), int32.
+
+    ``mark`` after "qkv", "compressor" and "indexer" as in :func:`layer_forward`; the
+    tensor-parallel layer (:mod:`dsv4lab.tp`) runs the same code.
+    Explained in notebooks/06_decode_step_at_scale.ipynb.
+    """
+    kv_flat = cache.kv if cache.fp8 else M._flat(cache.kv)
+    attn._write(kv_flat, meta.slots, kv, cache.fp8)
+    mark("qkv")
+    parts = [meta.window]
+    if attn.ratio:
+        r = attn.ratio
+        ckv, cgate = attn.compressor.project(h)
+        M._flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
+        M._flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
+        bs = meta.block_slots[r]
+        ent = attn.compressor.pool(M._flat(cache.comp_kv)[bs], M._flat(cache.comp_gate)[bs],
+                                   meta.entry_pos[r])
+        attn._write(kv_flat, meta.entry_slot[r], ent, cache.fp8)
+        mark("compressor")
+        if attn.indexer is not None:
+            parts.append(attn._select(h, qr, meta, cache, be))
+            mark("indexer")
+        else:
+            parts.append(meta.all_entries[r])
+    return torch.cat(parts, dim=-1).int()
 
 
 # ======================================================================================

@@ -351,26 +351,7 @@ class TPLayer(nn.Module):
         q = F.linear(qr, self.wq_b.to(qr.dtype)).unflatten(-1, (self.n_heads, attn.head_dim))
         q = M.rope_tail(M.rms_norm(q, None, cfg.rms_norm_eps), pos, attn.rope_dim, cfg.rope_theta, heads=True)
         kv = M.rope_tail(attn.kv_norm(attn.wkv(h)), pos, attn.rope_dim, cfg.rope_theta)
-        kv_flat = cache.kv if cache.fp8 else M._flat(cache.kv)
-        attn._write(kv_flat, meta.slots, kv, cache.fp8)
-        mark("qkv")
-        parts = [meta.window]
-        if attn.ratio:
-            r = attn.ratio
-            ckv, cgate = attn.compressor.project(h)
-            M._flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
-            M._flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
-            bs = meta.block_slots[r]
-            ent = attn.compressor.pool(M._flat(cache.comp_kv)[bs], M._flat(cache.comp_gate)[bs],
-                                       meta.entry_pos[r])
-            attn._write(kv_flat, meta.entry_slot[r], ent, cache.fp8)
-            mark("compressor")
-            if attn.indexer is not None:
-                parts.append(attn._select(h, qr, meta, cache, be))
-                mark("indexer")
-            else:
-                parts.append(meta.all_entries[r])
-        idx = torch.cat(parts, dim=-1).int()
+        idx = S.write_and_select(attn, h, qr, kv, meta, cache, be, mark)
         o, _ = ops.sparse_mla_decode(
             q.to(h.dtype).contiguous(), cache.kv, idx, d_v=attn.head_dim, softmax_scale=attn.scale,
             attn_sink=self.sink.float(), backend=be.get("sparse_mla_decode", "auto"))
@@ -564,16 +545,7 @@ def profile(drv: TPDriver, st: S.StepState, *, reps: int | None = None, graph: b
     if ok:
         try:
             marks = S._Marks("graph_events")
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                drv.run(st)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                marks.begin()
-                drv.run(st, marks)
+            g = S._capture_run(drv.run, st, marks, free_cache=False)
         except Exception as e:  # capture unsupported here: every rank falls back together
             note = f"graph capture failed: {type(e).__name__}: {e}"[:300]
             ok, g = False, None
@@ -613,14 +585,7 @@ def profile(drv: TPDriver, st: S.StepState, *, reps: int | None = None, graph: b
 
 
 def _summarise(drv, samples, timing):
-    acc: dict = {}
-    for seg in samples:
-        per: dict = {}
-        for layer, comp, ms in seg:
-            per[(layer, comp)] = per.get((layer, comp), 0.0) + ms
-        for k, v in per.items():
-            acc.setdefault(k, []).append(v)
-    med = {k: statistics.median(v) for k, v in acc.items()}
+    med = S._segment_medians(samples)
     kind_ms = {r: {c: med.get((r, c), 0.0) for c in COMPONENTS} for r in drv.layers}
     return {"kind_ms": kind_ms, "timing": timing, "reps": len(samples)}
 

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4lab import backends
+from dsv4lab import backends, bench
 from dsv4lab.kernels import indexer as K
 from dsv4lab.ops import indexer_logits, indexer_topk, to_cache_slots
 from dsv4lab.ops.indexer import reference_logits
@@ -416,15 +416,7 @@ def test_gpu_cuda_graph_replay_new_lengths_and_block_tables():
     def step():
         return indexer_topk(q, k, ks, w, bt, ctx, topk=topk, backend="triton")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = bench.capture_graph(step)
 
     g = torch.Generator().manual_seed(1)
     scenarios = [

@@ -204,17 +204,7 @@ def graph_replay_demo(*, smoke: bool = True, scenarios=None) -> list[dict]:
     q, k, ks, w, bt, ctx = args
     P = k.shape[0]
     fn = lambda: ops_indexer.indexer_topk(*args, topk=topk, backend="triton")  # noqa: E731
-    graph, out = None, None
-    if runtime.has_cuda():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+    graph, out = bench.capture_graph(fn) if runtime.has_cuda() else (None, None)
     g = torch.Generator().manual_seed(0)
     scenarios = scenarios or [[L] * B, [0, 1] + [topk - 1, topk + 1] * ((B - 2) // 2),
                               torch.randint(0, L + 1, (B,), generator=g).tolist()]

@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt
 
 from dsv4lab import results, roofline
 from dsv4lab.ops.indexer import indexer_bytes
+from dsv4lab.plots._common import latest, note
 
 COMPRESS = 4
 CSA_LAYERS = 21          # DeepSeek-V4-Flash: [0,0] + [4,128]*20 + [4] -> 21 layers with ratio 4
@@ -29,15 +30,20 @@ KEYS = ("kind", "backend", "q_dtype", "k_dtype", "batch", "s_q", "max_context_to
         "actual_tokens", "gpu")
 
 
-def _note(ax, text):
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
 def clean(rows, *, smoke: bool = False) -> list[dict]:
     """Newest row per configuration; GPU rows only unless ``smoke``."""
-    return results.latest([r for r in rows if bool(r.get("smoke")) == smoke], KEYS)
+    return latest(rows, KEYS, smoke=smoke)
+
+
+def _rows_of_kind(rows, kind, what, *, ax, smoke, figsize):
+    """(ax, the clean rows of ``kind``), a new figure of ``figsize`` when ``ax`` is None;
+    with no such rows, a note on ``ax`` says so (naming ``what``)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    sel = [r for r in clean(rows, smoke=smoke) if r["kind"] == kind]
+    if not sel:
+        note(ax, f"no recorded {what} rows yet\n(run `dsv4lab bench indexer` on a GPU)")
+    return ax, sel
 
 
 def summary_table(rows) -> str:
@@ -48,11 +54,9 @@ def summary_table(rows) -> str:
 
 def plot_topk_vs_max_context(rows, *, ax=None, smoke: bool = False):
     """us per indexer_topk call (log) against max context in tokens, one line per backend."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 4))
-    sel = [r for r in clean(rows, smoke=smoke) if r["kind"] == "topk_vs_max_context"]
+    ax, sel = _rows_of_kind(rows, "topk_vs_max_context", "indexer", ax=ax, smoke=smoke,
+                            figsize=(6.5, 4))
     if not sel:
-        _note(ax, "no recorded indexer rows yet\n(run `dsv4lab bench indexer` on a GPU)")
         return ax
     for be, (color, marker, label) in STYLE.items():
         pts = sorted((r["max_context_tokens"], r["ms"] * 1e3) for r in sel if r["backend"] == be)
@@ -148,11 +152,9 @@ def plot_decode_share(rows, *, actual_tokens: int = 512, batch: int = 64, ax=Non
 
 def plot_dtype_flips(rows, *, ax=None, smoke: bool = False):
     """Time (bars) and top-k recall vs fp32 math (labels) of the logits in each matmul dtype."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 3.6))
-    sel = [r for r in clean(rows, smoke=smoke) if r["kind"] == "matmul_dtype"]
+    ax, sel = _rows_of_kind(rows, "matmul_dtype", "matmul_dtype", ax=ax, smoke=smoke,
+                            figsize=(6.5, 3.6))
     if not sel:
-        _note(ax, "no recorded matmul_dtype rows yet\n(run `dsv4lab bench indexer` on a GPU)")
         return ax
     names = [f"q {r['q_dtype']} / k {r['k_dtype']}\n(dot {r['dot']})" for r in sel]
     us = [r["ms"] * 1e3 for r in sel]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dsv4lab import results, roofline
+from dsv4lab.plots._common import latest, note
 
 KEYS = ("T", "impl", "fmt", "E", "hidden", "intermediate", "topk", "gpu")
 STYLE = {("triton", "mxfp4"): ("#2ca02c", "^", "Triton, MXFP4 (CUDA graph)"),
@@ -18,15 +19,9 @@ STYLE = {("triton", "mxfp4"): ("#2ca02c", "^", "Triton, MXFP4 (CUDA graph)"),
          ("torch_bf16", "bf16"): ("#ff7f0e", "s", "torch: bf16 weights (dequantised at load)")}
 
 
-def _note(ax, text):
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
 def clean(rows, *, smoke: bool = False) -> list[dict]:
     """Newest row per configuration; GPU rows only unless ``smoke``."""
-    return results.latest([r for r in rows if bool(r.get("smoke")) == smoke], KEYS)
+    return latest(rows, KEYS, smoke=smoke)
 
 
 def plot_moe(rows=None, *, smoke: bool = False, ax=None):
@@ -36,7 +31,7 @@ def plot_moe(rows=None, *, smoke: bool = False, ax=None):
     if ax is None:
         fig, ax = plt.subplots(figsize=(7, 4.2))
     if not rows:
-        _note(ax, "no recorded moe rows yet:\nrun `dsv4lab bench moe` on a GPU")
+        note(ax, "no recorded moe rows yet:\nrun `dsv4lab bench moe` on a GPU")
         return fig or ax.figure
     for (impl, fmt), (color, marker, label) in STYLE.items():
         pts = sorted((r["T"], r["ms"] * 1e3) for r in rows if r["impl"] == impl and r["fmt"] == fmt)
