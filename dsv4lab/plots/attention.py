@@ -9,6 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dsv4lab import results
+from dsv4lab.plots._common import note
 
 STYLE = {("mma", "bf16"): ("#1f77b4", "o", "MMA, bf16 KV"),
          ("mma", "fp8"): ("#2ca02c", "s", "MMA, FP8 KV"),
@@ -16,12 +17,6 @@ STYLE = {("mma", "bf16"): ("#1f77b4", "o", "MMA, bf16 KV"),
          ("torch_user", "bf16"): ("#7f7f7f", "D", "plain torch (bf16)"),
          ("torch", "bf16"): ("#bcbd22", "v", "fp32 reference")}
 KEYS = ("backend", "kv", "B", "S_q", "topk", "H", "D", "gpu")
-
-
-def _note(ax, text):
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
 
 
 def _clean(rows):
@@ -34,7 +29,7 @@ def plot_time_vs_batch(rows, *, topk=2048, S_q=1, ax=None, title=None):
         _, ax = plt.subplots(figsize=(6.5, 4))
     sel = [r for r in _clean(rows) if r["topk"] == topk and r["S_q"] == S_q]
     if not sel:
-        _note(ax, f"no recorded sparse_mla rows for topk {topk}, S_q {S_q} yet\n"
+        note(ax, f"no recorded sparse_mla rows for topk {topk}, S_q {S_q} yet\n"
                   "(run `dsv4lab bench sparse_mla` on a GPU)")
         return ax
     roof = {}
@@ -65,7 +60,7 @@ def plot_roofline_fraction(rows, *, backend="mma", ax=None):
     sel = sorted((r for r in _clean(rows) if r["backend"] == backend),
                  key=lambda r: (r["topk"], r["S_q"], r["B"]))
     if not sel:
-        _note(ax, f"no recorded {backend} rows yet (run `dsv4lab bench sparse_mla` on a GPU)")
+        note(ax, f"no recorded {backend} rows yet (run `dsv4lab bench sparse_mla` on a GPU)")
         return ax
     labels = sorted({(r["topk"], r["S_q"], r["B"]) for r in sel})
     x = range(len(labels))
@@ -93,7 +88,7 @@ def plot_bytes_model(models, *, ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))
     if not models:
-        _note(ax, "no shapes given")
+        note(ax, "no shapes given")
         return ax
     labels = list(models)
     x = range(len(labels))

@@ -9,19 +9,14 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dsv4lab import results
+from dsv4lab.plots._common import latest, note
 
 KEYS = ("concurrency", "num_draft", "draft_moe", "gpu")
 
 
-def _note(ax, text):
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
 def clean(rows, *, smoke: bool = False) -> list[dict]:
     """Newest row per configuration; GPU (full-mode) rows only unless ``smoke``."""
-    return results.latest([r for r in (rows or []) if bool(r.get("smoke")) == smoke], KEYS)
+    return latest(rows or [], KEYS, smoke=smoke)
 
 
 def _axes(ax, n=1, figsize=(7, 4)):
@@ -34,7 +29,7 @@ def plot_training(log: dict | None, ax=None):
     """Training loss (main and MTP) against step, with the held-out losses."""
     fig, ax = _axes(ax)
     if not log or not log.get("curve"):
-        _note(ax, "no training log yet:\nrun `dsv4lab train`")
+        note(ax, "no training log yet:\nrun `dsv4lab train`")
         return fig or ax.figure
     c = log["curve"]
     steps = [r["step"] for r in c]
@@ -62,7 +57,7 @@ def plot_acceptance(rows=None, *, smoke: bool = False, ax=None):
     main = [r for r in rows if r["num_draft"] == max((x["num_draft"] for x in rows), default=0)
             and r.get("draft_moe") == r.get("moe")]
     if not main or not main[0]["acceptance"]:
-        _note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
+        note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
         return fig or ax.figure
     width = 0.8 / len(main)
     for i, r in enumerate(sorted(main, key=lambda r: r["concurrency"])):
@@ -85,7 +80,7 @@ def plot_speedup(rows=None, *, smoke: bool = False, ax=None):
     fig, ax = _axes(ax)
     rows = [r for r in rows if r.get("draft_moe") == r.get("moe")]
     if not rows:
-        _note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
+        note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
         return fig or ax.figure
     for conc in sorted({r["concurrency"] for r in rows}):
         pts = sorted((r["num_draft"], r["speedup"]) for r in rows if r["concurrency"] == conc)
