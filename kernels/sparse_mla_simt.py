@@ -18,23 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+# The MMA kernel's tail trim: both kernels skip the -1 tail of max-context index lists.
+from .sparse_mla_mma import _trim_tail
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
-    """One past the last valid (>= 0) slot of ``idx_ptr[start:end]`` (``start`` if none),
-    scanning back from ``end`` ``SCAN_N`` slots at a time: a long list that is mostly a
-    tail of -1 (the ratio-128 layers' max-context lists) is cut to its valid part."""
-    last = tl.zeros([], tl.int32) + (start - 1)
-    hi = end
-    while (hi > start) & (last < start):
-        offs = hi - SCAN_N + tl.arange(0, SCAN_N)
-        ic = tl.load(idx_ptr + offs, mask=(offs >= start) & (offs < hi), other=-1)
-        last = tl.maximum(last, tl.max(tl.where(ic >= 0, offs, start - 1), axis=0))
-        hi -= SCAN_N
-    return last + 1
 
 
 @triton.jit
