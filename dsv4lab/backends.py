@@ -15,7 +15,7 @@ notebooks/04_mxfp4_moe_port.ipynb.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch

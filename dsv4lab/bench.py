@@ -25,11 +25,6 @@ import torch
 from dsv4lab import results, roofline, runtime
 
 
-def _sync():
-    if runtime.has_cuda():
-        torch.cuda.synchronize()
-
-
 def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
             cpu_reps: int = 3) -> dict:
     """Median time of ``fn()`` in ms: ``{"ms": ..., "timing": "cuda_events" | "interpreter_wall"}``."""

@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from dsv4lab import ops, quant
 from dsv4lab.config import DSV4Config
+from dsv4lab.ops.moe import swiglu   # the clamped SwiGLU of the MoE op (limit None or > 0)
 
 OPS = ("sparse_mla_decode", "indexer_topk", "fused_moe")
 EXPERT_FORMATS = ("bf16", "mxfp4", "nvfp4")
@@ -136,15 +137,6 @@ def rope_tail(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float,
     r1, r2 = r[..., :half], r[..., half:]
     rot = torch.cat([r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
     return torch.cat([nope, rot.to(x.dtype)], dim=-1)
-
-
-def swiglu(h13: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``[.., 2I]`` (gate | up) -> ``silu(min(g, L)) * clamp(u, -L, L)``."""
-    g, u = h13.chunk(2, dim=-1)
-    if limit:
-        g = g.clamp(max=limit)
-        u = u.clamp(-limit, limit)
-    return F.silu(g) * u
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float = 1e-6) -> torch.Tensor:
@@ -351,10 +343,6 @@ def make_meta(cfg: DSV4Config, positions: torch.Tensor, block_table: torch.Tenso
 
 def _flat(pool: torch.Tensor) -> torch.Tensor:
     return pool.view(-1, *pool.shape[2:]) if pool.dim() == 3 else pool
-
-
-def _is_capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 # ======================================================================================
@@ -715,25 +703,21 @@ class MoE(nn.Module):
             y = y + self.shared(x2)
         return y.view(shape)
 
-    def forward_decode(self, x, tokens, backends: dict | None = None):
-        """x [T, d], tokens [T] -> [T, d] through ops.route/hash_route and ops.fused_moe."""
-        backends = backends or {}
+    def route_decode(self, x, tokens):
+        """x [T, d], tokens [T] -> (ids int32 [T, k], weights fp32 [T, k]) through
+        ops.hash_route (hash layers) or ops.route; both are CUDA-graph capturable."""
         cfg = self.cfg
         logits = self.gate(x).float()
         if self.hashed:
-            if _is_capturing(x):
-                # ops.hash_route reads token ids on the host (a range check): inside a CUDA
-                # graph capture do its table lookup + weight rule in place.
-                ids = self.tid2eid[tokens.long()]
-                w = F.softplus(logits).sqrt().gather(1, ids.long()) if cfg.score_func == "sqrtsoftplus" \
-                    else logits.sigmoid().gather(1, ids.long())
-                w = (w / w.sum(-1, keepdim=True).clamp_min(1e-20) * cfg.routed_scaling_factor).float()
-            else:
-                ids, w = ops.hash_route(tokens.reshape(-1), self.tid2eid, logits, score=cfg.score_func,
-                                        routed_scaling_factor=cfg.routed_scaling_factor)
-        else:
-            ids, w = ops.route(logits, self.bias, topk=self.topk, score=cfg.score_func,
-                               routed_scaling_factor=cfg.routed_scaling_factor)
+            return ops.hash_route(tokens.reshape(-1), self.tid2eid, logits, score=cfg.score_func,
+                                  routed_scaling_factor=cfg.routed_scaling_factor)
+        return ops.route(logits, self.bias, topk=self.topk, score=cfg.score_func,
+                         routed_scaling_factor=cfg.routed_scaling_factor)
+
+    def forward_decode(self, x, tokens, backends: dict | None = None):
+        """x [T, d], tokens [T] -> [T, d] through ops.route/hash_route and ops.fused_moe."""
+        backends = backends or {}
+        ids, w = self.route_decode(x, tokens)
         if self.fmt == "bf16":
             combine = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=torch.float32)
             combine.scatter_(1, ids.long(), w)

@@ -45,6 +45,12 @@ def device() -> torch.device:
     return torch.device("cuda") if has_cuda() else torch.device("cpu")
 
 
+def is_capturing(t: torch.Tensor) -> bool:
+    """True while ``t``'s CUDA stream is being captured into a CUDA graph: value checks that
+    read a tensor on the host must be skipped then."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def capability() -> tuple[int, int] | None:
     """CUDA compute capability of the current GPU, e.g. (9, 0); None on the CPU."""
     return torch.cuda.get_device_capability() if has_cuda() else None

@@ -292,29 +292,12 @@ class TPLayer(nn.Module):
         return F.linear(o.flatten(-2), self.wo_b.to(o.dtype))
 
     # ---- MoE ------------------------------------------------------------------------
-    def _route(self, x, tokens):
-        """The replicated router: exactly ``MoE.forward_decode``'s routing."""
-        moe = self.blk.moe
-        cfg = moe.cfg
-        logits = moe.gate(x).float()
-        if moe.hashed:
-            if M._is_capturing(x):
-                ids = moe.tid2eid[tokens.long()]
-                w = F.softplus(logits).sqrt().gather(1, ids.long()) if cfg.score_func == "sqrtsoftplus" \
-                    else logits.sigmoid().gather(1, ids.long())
-                w = (w / w.sum(-1, keepdim=True).clamp_min(1e-20) * cfg.routed_scaling_factor).float()
-                return ids, w
-            return ops.hash_route(tokens.reshape(-1), moe.tid2eid, logits, score=cfg.score_func,
-                                  routed_scaling_factor=cfg.routed_scaling_factor)
-        return ops.route(logits, moe.bias, topk=moe.topk, score=cfg.score_func,
-                         routed_scaling_factor=cfg.routed_scaling_factor)
-
     def moe_partial(self, x, tokens, backends: dict | None = None):
         """x [T, d] -> this rank's partial MoE output [T, d] (its experts + its slice of the
         shared expert)."""
         backends = backends or {}
         moe = self.blk.moe
-        ids, w = self._route(x, tokens)
+        ids, w = moe.route_decode(x, tokens)      # the replicated router, as MoE.forward_decode
         ids = ids.long()
         local = (ids >= self.expert0) & (ids < self.expert0 + self.n_experts)
         lids = torch.where(local, ids - self.expert0, torch.full_like(ids, -1))

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from dsv4lab import backends
+from dsv4lab import backends, runtime
 from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
 from dsv4lab.quant.kv_fp8 import unpack_kv_fp8
 
@@ -157,8 +157,7 @@ def _check(q, kv, indices, d_v, softmax_scale, attn_sink, check_indices):
         if attn_sink.device != q.device:
             raise ValueError(f"attn_sink must be on q's device ({q.device}), got {attn_sink.device}")
         sink = attn_sink.float().contiguous()
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_indices and not capturing:
+    if check_indices and not runtime.is_capturing(q):
         bad = (indices < -1) | (indices >= N)
         if bool(bad.any()):
             first = indices[bad][0].item()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4lab import backends
+from dsv4lab import backends, runtime
 
 FP8 = torch.float8_e4m3fn
 Q_DTYPES = (FP8, torch.bfloat16, torch.float32)
@@ -107,8 +107,7 @@ def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_c
     if topk is not None:
         if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
             raise ValueError(f"topk must be a positive int, got {topk!r}")
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:
+    if not runtime.is_capturing(q):
         _check_values(block_table, context_lens, P, page, L)
     return L
 
@@ -295,8 +294,7 @@ def to_cache_slots(indices, block_table, page_size):
     max_pages = block_table.shape[1]
     idx = indices.long()
     valid = idx >= 0
-    capturing = indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing:
+    if not runtime.is_capturing(indices):
         bad = (valid & (idx >= max_pages * page_size)) | (idx < -1)
         if bool(bad.any()):
             raise ValueError(f"indices must be -1 or logical positions in [0, max_pages * "

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4lab import backends
+from dsv4lab.runtime import is_capturing as _is_capturing
 from dsv4lab.backends import BackendUnavailable
 from dsv4lab.quant.fp4 import mxfp4_dequantize, nvfp4_dequantize
 
@@ -146,10 +147,6 @@ def swiglu(h13: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
         g = g.clamp(max=swiglu_limit)
         u = u.clamp(-swiglu_limit, swiglu_limit)
     return F.silu(g) * u
-
-
-def _is_capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _scalar_or_per_expert(g, name: str, E: int, device) -> torch.Tensor:

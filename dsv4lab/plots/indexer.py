@@ -46,12 +46,6 @@ def _rows_of_kind(rows, kind, what, *, ax, smoke, figsize):
     return ax, sel
 
 
-def summary_table(rows) -> str:
-    """Plain-text table of the rows (one line each)."""
-    from dsv4lab.benchmarks.indexer import format_row
-    return "\n".join(format_row(r) for r in rows) or "(no rows)"
-
-
 def plot_topk_vs_max_context(rows, *, ax=None, smoke: bool = False):
     """us per indexer_topk call (log) against max context in tokens, one line per backend."""
     ax, sel = _rows_of_kind(rows, "topk_vs_max_context", "indexer", ax=ax, smoke=smoke,

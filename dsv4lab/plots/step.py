@@ -246,12 +246,6 @@ def claims_html(rows, **kw) -> str:
             f"<th>why they differ</th></tr></thead><tbody>{body}</tbody></table>")
 
 
-def claims_text(rows, **kw) -> str:
-    """:func:`claims` as plain text lines."""
-    return "\n".join(f"- {c['claim']}: campaign {c['campaign']} | here: {c['measured']}"
-                     + (f" [{c['measured_on']}]" if c["measured_on"] else "") for c in claims(rows, **kw))
-
-
 def roofline_table(rows, *, presets=("before", "after"), context: int = 512) -> list[dict]:
     """Measured step vs the analytic roofline of :mod:`dsv4lab.anatomy` (same configuration)."""
     out = []

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4lab import runtime
+
 KV_DIM = 512
 NOPE_DIM = 448
 ROPE_DIM = 64
@@ -53,8 +55,7 @@ def pack_kv_fp8(kv: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kv must have shape [..., {KV_DIM}] (448 nope + 64 RoPE), got {tuple(kv.shape)}")
     x = kv.float()
     # The finiteness check reads a value on the host: skip it inside CUDA-graph capture.
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not capturing and not torch.isfinite(x).all():
+    if not runtime.is_capturing(x) and not torch.isfinite(x).all():
         raise ValueError("kv contains NaN or Inf; the FP8 cache can only hold finite values")
     lead = x.shape[:-1]
     nope = x[..., :NOPE_DIM].reshape(*lead, N_SCALES, SCALE_BLOCK)
