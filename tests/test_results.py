@@ -90,3 +90,18 @@ def test_git_commit_env_wins(monkeypatch):
     assert results.git_commit() == "deadbeef"
     monkeypatch.delenv("DSV4LAB_COMMIT")
     assert isinstance(results.git_commit(), str) and results.git_commit()
+
+
+def test_committed_rows_carry_provenance():
+    """Every row recorded in data/results/ says where and when it was measured, and none is
+    a smoke (interpreter) row: those are never recorded by default."""
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "data" / "results").glob("*.jsonl"))
+    for path in files:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            row = json.loads(line)
+            missing = [k for k in results.PROVENANCE_KEYS if not row.get(k)]
+            assert not missing, f"{path.name}:{n} lacks {missing}"
+            assert row.get("smoke") is not True, f"{path.name}:{n} is a smoke row"
+            assert row["bench"] == path.stem, f"{path.name}:{n} belongs to bench {row['bench']!r}"
