@@ -41,6 +41,12 @@ fp16x2 words, which are split into halves. Byte r of word q is packed byte 4q + 
 elements 8q + 2r and 8q + 2r + 1, so a step runs as four dots of K = BK/8 each, with x
 gathered in the same order (a permutation of K, applied to both operands alike).
 
+FASTDEC (experimental, off in :data:`CONFIGS` until timed): the byte decode and the block
+scale multiply written as packed 32-bit PTX (``tl.inline_asm_elementwise``, 4 packed bytes a
+call: prmt/shr/lop3 place each nibble's sign and magnitude in fp16 bit positions, two
+elements a 32-bit op, then one ``mul.rn.f16x2``), the same bits as the Triton decode below
+(:data:`FASTDEC_ASM`). GPU only; the interpreter runs the Triton decode.
+
 Decoding a nibble without a table. A nibble ``c`` is sign | e1 e0 | m. Put its three
 magnitude bits at bits 9..11 of a 16-bit word and its sign at bit 15, and the word, read
 as an fp16, is exactly ``value(c) * 2**-14`` (codes 0 and 1 land in fp16 subnormals, which
@@ -98,6 +104,58 @@ def _e2m1_hi(p):
     return bits.to(tl.float16, bitcast=True)
 
 
+# FASTDEC (experimental, off in CONFIGS until timed): the same decode and scale in packed
+# 32-bit PTX, 4 packed bytes (8 nibbles) a call, ~19 instructions for 8 scaled fp16 weights
+# where the byte decode above spends ~25 a byte. Per nibble group of a word w = [b0 b1 b2 b3]:
+#   h = w & 0xF0F0F0F0                 high nibbles, in place (bits 4..7 of every byte)
+#   l = (w << 4) & 0xF0F0F0F0          low nibbles, moved to bits 4..7
+#   t = prmt(h or l, 0, 0x1404)        bytes 0, 1 -> bits 8..15, 24..31 (0x3424: bytes 2, 3),
+#                                      so each fp16 half holds its nibble s e1 e0 m at 15..12
+#   d = lop3(t, t >> 3, 0x8E008E00, 0xA8) = (t | t >> 3) & 0x8E008E00: the sign stays at 15,
+#                                      e1 e0 m drop to 11..9: the fp16 ``value * 2**-14``,
+#                                      bit for bit what _e2m1_lo/_e2m1_hi produce
+#   mul.rn.f16x2 d, d, mexp            the block scale, two elements an instruction
+# lop3's truth table 0xA8 is (a | b) & c over a = 0xF0, b = 0xCC, c = 0xAA. lop3, prmt and
+# f16x2 arithmetic exist on sm_80, sm_90 and sm_120 alike. Interpreter: never (inline asm
+# cannot run there; the launcher switches FASTDEC off). tests/test_moe.py runs this very
+# string through a small numpy model of the five opcodes over all 256 byte values.
+FASTDEC_ASM = """
+{
+.reg .b32 h, l, t, u;
+and.b32 h, $4, 0xF0F0F0F0;
+shl.b32 l, $4, 4;
+and.b32 l, l, 0xF0F0F0F0;
+prmt.b32 t, l, 0, 0x1404;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $0, t, $5;
+prmt.b32 t, l, 0, 0x3424;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $1, t, $6;
+prmt.b32 t, h, 0, 0x1404;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $2, t, $5;
+prmt.b32 t, h, 0, 0x3424;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $3, t, $6;
+}
+"""
+_FASTDEC_ASM = tl.constexpr(FASTDEC_ASM)       # jit code may read constexpr globals only
+
+
+@triton.jit
+def _e2m1_scaled_fast(p, mexp):
+    """FASTDEC: packed bytes p (uint8) and fp16 multipliers mexp (same shape) ->
+    ``(_e2m1_lo(p) * mexp, _e2m1_hi(p) * mexp)``, bit for bit, 4 bytes an inline-asm call
+    (outputs $0..$3: lo of bytes 0-1, 2-3, hi of 0-1, 2-3 as fp16x2; $4 the 4 bytes; $5, $6
+    the multipliers of bytes 0-1 and 2-3)."""
+    return tl.inline_asm_elementwise(_FASTDEC_ASM, "=r,=r,=r,=r,r,r,r", [p, mexp],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
 @triton.jit
 def _e4m3_bits_to_f16(b):
     """E4M3 scale bytes (read as uint8: sm_80 has no e4m3 type) -> fp16, exactly.
@@ -111,7 +169,7 @@ def _e4m3_bits_to_f16(b):
 
 @triton.jit
 def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
-            BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr):
+            BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr, FASTDEC: tl.constexpr = False):
     """One K-step of BN weight rows: ``(w_lo, w_hi, colf)``.
 
     w_tile: pointers [BN, BKH] to packed bytes (BKH contiguous bytes a row: wide vector
@@ -123,7 +181,8 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
     ``2**(s-127)`` does not fit fp16, so the step is split as ``2**(s - smax + 15)`` (fp16,
     applied here; exact while a block is within 2**24 of the largest block of its row in
     this step, flushed below 2**-29 of it) times ``colf = 2**(smax - 128 + 8)`` (fp32, per
-    row, applied to the step's dot; the 2**8 undoes the x prescale).
+    row, applied to the step's dot; the 2**8 undoes the x prescale). FASTDEC: the decode
+    and the scale multiply in packed PTX (:data:`FASTDEC_ASM`), the same bits.
     """
     NSC: tl.constexpr = BKH // GS
     p = tl.load(w_tile, mask=nmask[:, None], other=0)
@@ -138,6 +197,9 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
         mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
         colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
     mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS)), (BN, BKH))
+    if FASTDEC:       # the same bits from packed 32-bit PTX (GPU only; see FASTDEC_ASM)
+        wlo, whi = _e2m1_scaled_fast(p, mexp)
+        return wlo, whi, colf
     return _e2m1_lo(p) * mexp, _e2m1_hi(p) * mexp, colf
 
 
@@ -262,7 +324,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         IS_NV: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
                         USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr,
-                        DECODE32: tl.constexpr = False):
+                        DECODE32: tl.constexpr = False, FASTDEC: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     e = tl.load(block_expert_ptr + b)
@@ -308,9 +370,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     else:
         for k0 in range(0, KH, BKH):
             xe, xo = _x_tile(x_rows, k0, mmask)
-            wlo, whi, cf = _w_tile(wg + k0, sg + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+            wlo, whi, cf = _w_tile(wg + k0, sg + k0 // GS, nmask, IS_NV, BN, BKH, GS, FASTDEC)
             acc_g = _mac(acc_g, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
-            wlo, whi, cf = _w_tile(wu + k0, su + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+            wlo, whi, cf = _w_tile(wu + k0, su + k0 // GS, nmask, IS_NV, BN, BKH, GS, FASTDEC)
             acc_u = _mac(acc_u, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
     if SWAP_AB:                                   # back to [BM, BN] once, for the epilogue
         acc_g = tl.trans(acc_g)
@@ -339,7 +401,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
                      stride_ys,
                      IS_NV: tl.constexpr, DOT_FP32: tl.constexpr, USE_DOT: tl.constexpr,
                      SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False):
+                     BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False,
+                     FASTDEC: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -379,7 +442,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
         for k1 in range(0, KH_SPLIT, BKH):
             k0 = kbase + k1
             xe, xo = _x_tile(a_rows, k0, mmask)
-            wlo, whi, cf = _w_tile(w_rows + k0, s_rows + k0 // GS, nmask, IS_NV, BN, BKH, GS)
+            wlo, whi, cf = _w_tile(w_rows + k0, s_rows + k0 // GS, nmask, IS_NV, BN, BKH, GS,
+                                   FASTDEC)
             acc = _mac(acc, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -417,7 +481,9 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, 
 # SPLIT2: split-K slices of the down projection (partials summed by the combine pass);
 # USE_DOT: tensor cores (BM >= 16) or CUDA-core multiply-reduce (tiny BM);
 # SWAP_AB (optional, default False): the dot as ``w . x^T`` (weight rows on the M side);
-# DECODE32 (optional, default False): packed bytes decoded as int32 words (see the docstring).
+# DECODE32 (optional, default False): packed bytes decoded as int32 words (see the docstring);
+# FASTDEC (optional, default False): the byte decode + scale in packed PTX (FASTDEC_ASM);
+# GPU only: switched off under the interpreter, where the reference decode runs.
 # scripts/tune_moe.py sweeps these on a GPU; paste its winners here.
 #
 # Winners of the 2026-11-29 H200 sweep (triton 3.6, Flash shape E=256 H=4096 I=2048 k=6;
@@ -440,7 +506,7 @@ CONFIGS = [
 ]
 
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT2", "USE_DOT", "SWAP_AB", "DECODE32",
-               "num_warps", "num_stages")
+               "FASTDEC", "num_warps", "num_stages")
 
 
 def rows_per_expert(T: int, topk: int, E: int) -> float:
@@ -518,6 +584,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     dec32 = bool(cfg.get("DECODE32", False))
     dec1 = dec32 and (not use_dot or BK1 >= 128)
     dec2 = dec32 and (not use_dot or BK2 >= 128)
+    # FASTDEC (experimental): inline PTX, so never under the interpreter (the byte decode
+    # there); an alternative to DECODE32, not a companion.
+    fast = bool(cfg.get("FASTDEC", False))
+    if fast and dec32:
+        raise ValueError("config: FASTDEC and DECODE32 are alternative decodes; set one")
+    fast = fast and not _interpreting()
     if dec1 and w13.data_ptr() % 16:             # an offset view: realign for word loads
         w13 = w13.clone()
     if dec2 and w2.data_ptr() % 16:
@@ -535,7 +607,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0,
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
-        SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1,
+        SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1, FASTDEC=fast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     _moe_down_kernel[(nbm, triton.cdiv(H, BN2), split)](
         act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
@@ -543,7 +615,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         ypair.stride(1), ypair.stride(0),
         IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
-        DECODE32=dec2,
+        DECODE32=dec2, FASTDEC=fast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, BH))](

@@ -44,6 +44,9 @@ def _c(**kw):
 
 # priority order: the most informative first (the budget may cut the tail)
 CANDIDATES = [
+    # experimental FASTDEC (decode + block scale in packed inline PTX; see kernels/moe.py)
+    _c(FASTDEC=True, BN1=64, BN2=64),
+    _c(FASTDEC=True, SWAP_AB=True, BN1=64, BN2=64),
     # experimental swap AB (weights on the dot's M side; see kernels/moe.py), untimed so far
     _c(SWAP_AB=True, BN1=64, BN2=64),
     _c(SWAP_AB=True, BN1=128, BN2=128),
@@ -71,8 +74,9 @@ CANDIDATES = [
 def short(cfg: dict) -> str:
     d = dict(cfg)
     kind = ("swapAB" if d.pop("SWAP_AB", False) else "dot") if d.pop("USE_DOT") else "fma"
+    flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC") if d.get(k))
     return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
-            f"S{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}")
+            f"S{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}")
 
 
 def main() -> int:
@@ -86,7 +90,8 @@ def main() -> int:
         shape = dict(E=8, H=64, I=64, topk=2)
         tokens = (1, 4)
         cands = [_c(BK1=64, BK2=64), _c(USE_DOT=False, BM=1, BK1=32, BK2=32), _c(BN2=16, SPLIT2=2, BK2=32),
-                 _c(SWAP_AB=True, BN1=16, BN2=16, BK1=32, BK2=32)]
+                 _c(SWAP_AB=True, BN1=16, BN2=16, BK1=32, BK2=32),
+                 _c(FASTDEC=True, BK1=64, BK2=64)]     # the interpreter: reference decode
         gen_cpu = torch.Generator().manual_seed(0)
         experts = {f: _quantised_experts(shape["E"], shape["H"], shape["I"], f, dev, gen_cpu)
                    for f in ("mxfp4", "nvfp4")}

@@ -245,6 +245,151 @@ def test_triton_decode32_mixed_scales(fmt, cfg):
     _mixed_scales_case(fmt, cfg, 256, 128)
 
 
+# FASTDEC: the decode + block scale as packed 32-bit PTX (kernels/moe.py FASTDEC_ASM). The
+# interpreter cannot run inline asm, so here the very asm string the GPU compiles is executed
+# by a small numpy model of its five opcodes (PTX ISA semantics, on uint32 words):
+#   and/shl/shr.b32   bitwise and, logical shifts (shift counts < 32)
+#   prmt.b32 d,a,b,c  default mode: d's byte k = byte (c >> 4k) & 7 of the 8 bytes {b:a}
+#                     (a = bytes 0-3, b = 4-7); if (c >> 4k) & 8, that byte's msb replicated
+#   lop3.b32 d,a,b,c,L  d = the truth table L at index (a<<2 | b<<1 | c), bit by bit
+#                     (so a = 0xF0, b = 0xCC, c = 0xAA evaluate to L's own formula)
+#   mul.rn.f16x2      two IEEE fp16 products, round to nearest even (numpy float16 rounds
+#                     the exact fp32 product once: the same result)
+# and its output is compared bit for bit with the reference decode over all 256 byte values
+# times every multiplier the kernel can produce (MXFP4: 0 and 2**-14..2**15; NVFP4: every
+# finite E4M3 scale), i.e. exactly what _e2m1_lo(p) * mexp / _e2m1_hi(p) * mexp compute.
+def _ptx_run(asm, inputs):
+    """Run FASTDEC_ASM's straight-line PTX on numpy uint32 arrays; inputs maps $n -> array."""
+    import re
+    import numpy as np
+    regs = {f"${k}": np.asarray(v, dtype=np.uint32) for k, v in inputs.items()}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok in regs:
+            return regs[tok]
+        return np.uint32(int(tok, 0))
+
+    def f16(x):
+        x = np.asarray(x, dtype=np.uint32)
+        lo = (x & 0xFFFF).astype(np.uint16).view(np.float16)
+        hi = (x >> 16).astype(np.uint16).view(np.float16)
+        return lo, hi
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        d, src = args[0], [val(a) for a in args[1:]]
+        if op == "and.b32":
+            r = src[0] & src[1]
+        elif op == "shl.b32":
+            r = (src[0].astype(np.uint64) << np.uint64(src[1])).astype(np.uint64) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            r = src[0] >> np.uint32(src[1])
+        elif op == "prmt.b32":
+            a, b, c = (np.broadcast_to(np.asarray(x, dtype=np.uint64), np.shape(src[0])) for x in src)
+            eight = [(a >> np.uint64(8 * i)) & 0xFF for i in range(4)] + \
+                    [(b >> np.uint64(8 * i)) & 0xFF for i in range(4)]
+            r = np.zeros(np.shape(a), dtype=np.uint64)
+            for k in range(4):
+                sel = (int(c.flat[0]) >> (4 * k)) & 0xF
+                byte = eight[sel & 7]
+                if sel & 8:
+                    byte = np.where(byte & 0x80, 0xFF, 0).astype(np.uint64)
+                r |= byte << np.uint64(8 * k)
+        elif op == "lop3.b32":
+            a, b, c = (np.broadcast_to(np.asarray(x, dtype=np.uint32), np.shape(src[0])) for x in src[:3])
+            lut = int(src[3])
+            r = np.zeros(np.shape(a), dtype=np.uint32)
+            for idx in range(8):
+                if lut >> idx & 1:
+                    r |= ((a if idx & 4 else ~a) & (b if idx & 2 else ~b) & (c if idx & 1 else ~c))
+        elif op == "mul.rn.f16x2":
+            (alo, ahi), (blo, bhi) = f16(src[0]), f16(src[1])
+            r = ((alo * blo).view(np.uint16).astype(np.uint32)
+                 | ((ahi * bhi).view(np.uint16).astype(np.uint32) << 16))
+        else:
+            raise AssertionError(f"FASTDEC_ASM uses {op!r}: teach _ptx_run its semantics")
+        regs[d] = np.asarray(r).astype(np.uint32)
+    return regs
+
+
+def _fastdec_emulated(packed, mult):
+    """packed uint8 [N] (N % 4 == 0), fp16 multipliers [N] -> (lo, hi) fp16 bits [N] as the
+    inline asm computes them, 4 bytes a call ($4: bytes, $5/$6: multipliers of 0-1 / 2-3)."""
+    import numpy as np
+    from dsv4lab.kernels import moe as kmoe
+    words = packed.numpy().astype(np.uint8).view("<u4")
+    m = mult.numpy().astype(np.float16).view(np.uint16).astype(np.uint32).reshape(-1, 4)
+    regs = _ptx_run(kmoe.FASTDEC_ASM, {4: words, 5: m[:, 0] | m[:, 1] << 16, 6: m[:, 2] | m[:, 3] << 16})
+    out = []
+    for pair in ((0, 1), (2, 3)):                      # lo: $0 $1, hi: $2 $3
+        w = np.stack([regs[f"${pair[0]}"], regs[f"${pair[1]}"]], axis=1)   # [N/4, 2] words
+        halves = np.stack([w & 0xFFFF, w >> 16], axis=2).reshape(-1)        # bytes 0,1,2,3
+        out.append(torch.from_numpy(halves.astype(np.uint16).view(np.int16)))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fastdec_ptx_bits_equal_reference_decode(fmt):
+    if fmt == "mxfp4":        # 2**(e) for e = -14..15 as the kernel builds it, and the flush 0
+        mults = torch.tensor([0.0] + [2.0 ** e for e in range(-14, 16)])
+    else:                     # every finite E4M3 block scale (NaN bytes 0x7F, 0xFF excluded)
+        b = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
+        mults = b.view(torch.float8_e4m3fn).float()
+    mults = mults.to(torch.float16)
+    byte = torch.arange(256, dtype=torch.uint8)
+    # every byte with every multiplier, shuffled so that the 4 bytes of a word (one asm call)
+    # carry different bytes and multipliers
+    perm = torch.randperm(256 * mults.numel(), generator=torch.Generator().manual_seed(0))
+    packed = byte.repeat(mults.numel())[perm]
+    mult = mults.repeat_interleave(256)[perm]
+    # the reference: mxfp4_dequantize at scale 1 (E8M0 127), the kernel's 2**-14 offset, one
+    # fp16 product: element 2i is byte i's low nibble, 2i + 1 its high nibble
+    v = mxfp4_dequantize(byte.view(1, 256), torch.full((1, 16), 127, dtype=torch.uint8)).view(256, 2)
+    w16 = (v * 2.0 ** -14).to(torch.float16).repeat(mults.numel(), 1)[perm]
+    want_lo = (w16[:, 0] * mult).view(torch.int16)
+    want_hi = (w16[:, 1] * mult).view(torch.int16)
+    got_lo, got_hi = _fastdec_emulated(packed, mult)
+    assert torch.equal(got_lo, want_lo), f"lo nibbles: {(got_lo != want_lo).sum()} mismatches"
+    assert torch.equal(got_hi, want_hi), f"hi nibbles: {(got_hi != want_hi).sum()} mismatches"
+    assert (want_lo == torch.tensor(-32768, dtype=torch.int16)).any()   # -0 kept (code 8)
+
+
+def test_ptx_model_opcodes():
+    # the emulator itself, on cases worked by hand from the PTX ISA
+    import numpy as np
+    r = _ptx_run("prmt.b32 $0, $1, 0, 0x1404;\nprmt.b32 $2, $1, $3, 0xB765;\n"
+                 "lop3.b32 $4, $1, $3, 0xFF00FF00, 0xA8;\nshl.b32 $5, $1, 4;\nshr.b32 $6, $1, 3;",
+                 {1: np.array([0x8C3A2B1F], np.uint32), 3: np.array([0x00F00F00], np.uint32)})
+    assert int(r["$0"][0]) == 0x2B001F00                 # bytes 0, 1 of a -> positions 1, 3
+    assert int(r["$2"][0]) == 0xFF00F00F                 # b.b1, b.b2, b.b3, msb of a.b3 (1) x 8
+    assert int(r["$4"][0]) == ((0x8C3A2B1F | 0x00F00F00) & 0xFF00FF00)
+    assert int(r["$5"][0]) == 0xC3A2B1F0 and int(r["$6"][0]) == 0x8C3A2B1F >> 3
+    m = _ptx_run("mul.rn.f16x2 $0, $1, $2;", {1: np.array([0x3C00_4000], np.uint32),   # (2, 1)
+                                              2: np.array([0x0001_3800], np.uint32)})  # (0.5, 2**-24)
+    assert int(m["$0"][0]) == 0x0001_3C00                # (2 * 0.5, 1 * 2**-24): low half first
+
+
+def test_fastdec_config_checks_and_interpreter_fallback():
+    # FASTDEC runs the reference decode under the interpreter (inline asm cannot) and is an
+    # alternative to DECODE32, not a companion
+    from dsv4lab.kernels import moe as kmoe
+    assert "FASTDEC" in kmoe.CONFIG_KEYS
+    ex = make_experts(2, 32, 32, "mxfp4")
+    args = (torch.randn(2, 32), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="FASTDEC and DECODE32"):
+        kmoe.fused_moe(*args, config=dict(FASTDEC=True, DECODE32=True))
+    if kmoe._interpreting():
+        ref = run_moe(args[0], ex, args[5], args[6], "mxfp4", None, "torch")
+        out = kmoe.fused_moe(*args, config=dict(FASTDEC=True, BN1=16, BN2=16, BK1=32, BK2=32))
+        assert_close(out, ref, torch.float32)
+
+
 def _mixed_scales_case(fmt, cfg, H, I):
     from dsv4lab.kernels import moe as kmoe
     E, T, k = 2, 3, 2
@@ -292,6 +437,7 @@ def test_config_table_per_format():
         for cfg in row.values():
             assert set(cfg) <= set(kmoe.CONFIG_KEYS) and not cfg.get("SWAP_AB", False)
             assert not cfg.get("DECODE32", False)          # untimed: a bench variant only
+            assert not cfg.get("FASTDEC", False)           # untimed: a bench variant only
             assert cfg["BM"] >= 16 or not cfg["USE_DOT"]
     for T in (1, 64, 256, 4096):
         r = kmoe.rows_per_expert(T, 6, 256)
@@ -427,6 +573,36 @@ def test_gpu_swap_ab_variant(fmt, T):
         out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                              fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
         assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_fastdec_variant(fmt, T):
+    # FASTDEC (decode + scale in inline PTX) at Flash's sizes, 32 experts: against the fp32
+    # reference, and against the byte decode with the same tiles (same bits: the dots see the
+    # same fp16 operands, so only accumulation order could differ; bf16 output tolerance)
+    from dsv4lab.kernels import moe as kmoe
+    E, H, I, k = 32, 4096, 2048, 6
+    ex = make_experts(E, H, I, fmt, seed=23 + T, device="cuda", scale=0.02)
+    torch.manual_seed(T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
+    ids[0, -1] = -1
+    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
+    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    for cfg in (dict(BN1=64, BN2=64, FASTDEC=True),                 # as `dsv4lab bench moe`
+                dict(BN1=64, BN2=64, FASTDEC=True, SWAP_AB=True),
+                dict(BN1=32, BN2=64, SPLIT2=2, FASTDEC=True),
+                dict(BN1=16, BN2=16, BK1=32, BK2=32, FASTDEC=True),   # 2 bytes a thread
+                dict(BM=1, USE_DOT=False, BN1=16, BN2=16, BK1=64, BK2=64, FASTDEC=True)):
+        out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                             fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
+        assert_close(out, ref, torch.bfloat16)
+        base = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                              fmt=fmt, swiglu_limit=10.0, config=dict(cfg, FASTDEC=False), **kw)
+        assert_close(out, base.float(), torch.bfloat16)
 
 
 @gpu
