@@ -32,11 +32,18 @@ slot (``_trim_tail``, one 512-slot load for a dense list) and stops there, so th
 ratio-128 layers' max-context lists, mostly a -1 tail, cost only their valid tiles. (A
 branch around the loop body would do it too, but Triton then stops pipelining the gathers.)
 
-Prefetch (``PREFETCH``, a variant). Triton's pipeliner turns the index load into an
-async copy but leaves the data-dependent row gather a plain load, so each tile waits for
-its rows. With ``PREFETCH`` the loop carries the next tile's indices and raw rows (bf16
+Prefetch (``PREFETCH``, a variant). In the default loop the row gather's addresses come
+from the index load of the same iteration. Triton's pipeliner (3.6 and 3.9 alike) then
+splits its ``num_stages - 1`` stages of lead between the two loads ((stages - 1) // 2
+each), so at 2-4 stages the gather gets one: it is a cp.async, but issued at the end of
+tile i-1 and waited for (``async_wait`` num 0, which also drains the next indices) at the
+top of tile i, so each tile waits for its rows. With ``PREFETCH`` the loop carries the next tile's indices and raw rows (bf16
 tile, or e4m3 bytes + scale bytes + RoPE) in registers: tile i+1's loads are issued before
 tile i's dequant, MMAs and softmax, and the dequantised tile feeds both MMAs.
+``PIPE_GATHER`` (a variant) lets the pipeliner do it: the loop carries the next tile's
+indices (a register load one tile ahead), so the gather depends on no load of its own
+iteration and gets all ``num_stages - 1`` stages: at 3 stages a cp.async into 3 shared
+buffers with one tile in flight behind the MMAs (``async_wait`` num 1), at 4 stages two.
 
 Online softmax, lazily (``LAZY``). Rescaling the [heads, d_v] fp32 accumulator costs as
 many multiplies per tile as the tile has outputs; with ``LAZY`` the running max only moves
@@ -190,7 +197,7 @@ def _sparse_mla_mma_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, V_FROM_K: tl.constexpr,
     FP8: tl.constexpr, FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, LAZY: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False,
+    SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False, PIPE_GATHER: tl.constexpr = False,
 ):
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
@@ -238,6 +245,23 @@ def _sparse_mla_mma_kernel(
             idx_c = tl.load(idx_ptr + bs * topk + offs_nx, mask=offs_nx < end, other=-1)
             rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
                                         idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE)
+            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
+                                         BLOCK_D, LAZY, KDTYPE, DOT_PREC)
+    elif PIPE_GATHER:
+        # the loop carries the next tile's indices (a register load one tile ahead), so the
+        # row gather's addresses depend on no load of its own iteration: Triton's pipeliner
+        # then gives the gather the full num_stages - 1 tiles of lead (a cp.async into
+        # num_stages shared buffers) instead of splitting it with the index load
+        offs_n = start + tl.arange(0, BLOCK_N)
+        idx_n = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+        for n0 in range(start, end, BLOCK_N):
+            idx = idx_n
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            offs_nx = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+            idx_n = tl.load(idx_ptr + bs * topk + offs_nx, mask=offs_nx < end, other=-1)
+            k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
+                              BF16_MATH, KDTYPE)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
                                          BLOCK_D, LAZY, KDTYPE, DOT_PREC)
     else:
@@ -352,7 +376,9 @@ class Config(NamedTuple):
     through L2); ``lazy``: the LAZY rescale; ``splits``: 0 = :func:`plan_splits`, else the
     number of split-KV ranges (1 = never split); ``fp8_hw``: the FP8 dequant path
     (None: hardware conversion on sm_89+); ``prefetch``: the PREFETCH software pipeline
-    (tile i+1's index and row loads issued before tile i's math, in registers)."""
+    (tile i+1's index and row loads issued before tile i's math, in registers);
+    ``pipe_gather``: the PIPE_GATHER loop (indices carried one tile ahead, so Triton's
+    pipeliner multi-buffers the row gather itself, ``num_stages`` deep)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -361,6 +387,7 @@ class Config(NamedTuple):
     splits: int = 0
     fp8_hw: bool | None = None
     prefetch: bool = False
+    pipe_gather: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -394,9 +421,16 @@ DEVICE_TABLE: dict = {
 # tile i+1's gathers before tile i's MMAs. Compiled for sm_90 (triton 3.9, 8 warps):
 # 131 KB (N64) / 98 KB (N32) shared memory, the register file full (255 a thread, as the
 # default's), N32 spilling about as little as the default; 16 warps spill KBs (128 regs).
+# PIPE_GATHER (sm_90 TTGIR, triton 3.6, 8 warps, bf16): the gather is a cp.async into
+# 3 (s3) / 4 (s4) [32, 512] buffers, async_wait num 1 / 2, 164 / 197 KB shared memory
+# (N64 s3 needs 262 KB: too much). stages5_n32 is the default loop at 5 stages, where
+# the split lead is 2 stages each: gather 3-buffered, async_wait num 3, 164 KB.
 VARIANTS: dict = {
     "prefetch_n32": Config(32, 8, 2, 64, False, 0, None, True),
     "prefetch_n64": Config(64, 8, 2, 64, False, 0, None, True),
+    "pipe_gather_n32_s3": Config(32, 8, 3, 64, pipe_gather=True),
+    "pipe_gather_n32_s4": Config(32, 8, 4, 64, pipe_gather=True),
+    "stages5_n32": Config(32, 8, 5, 64),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -538,6 +572,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             BF16_MATH=kdtype == tl.bfloat16, LAZY=bool(cfg.lazy), HAS_SINK=sink is not None,
             SPLIT=split, KDTYPE=kdtype, DOT_PREC=dot_prec, SCAN_N=scan_n,
             PREFETCH=bool(cfg.prefetch and v_from_k),
+            PIPE_GATHER=bool(cfg.pipe_gather and v_from_k),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is None:

@@ -423,18 +423,21 @@ def test_gpu_cuda_graph_capture(fp8):
 # Named kernel variants (kernels/sparse_mla_mma.py VARIANTS, e.g. PREFETCH)
 # ----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("pipe", ["prefetch", "pipe_gather"])
 @pytest.mark.parametrize("fp8, fp8_hw", [(False, None), (True, True), (True, False)])
 @pytest.mark.parametrize("lazy, splits", [(False, 0), (True, 3)])
-def test_mma_prefetch_matches_reference(fp8, fp8_hw, lazy, splits):
-    """PREFETCH (next tile's rows loaded before this tile's math): same answer as the
-    reference with -1 slots, a query with only -1, a -1 tail (trimmed), topk not a
-    multiple of the tile, splits and the lazy rescale; bf16 tolerance."""
+def test_mma_prefetch_matches_reference(pipe, fp8, fp8_hw, lazy, splits):
+    """PREFETCH (next tile's rows loaded before this tile's math) and PIPE_GATHER (next
+    tile's indices carried by the loop): same answer as the reference with -1 slots, a
+    query with only -1, a -1 tail (trimmed), topk not a multiple of the tile, splits and
+    the lazy rescale; bf16 tolerance."""
     from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
     D = 512 if fp8 else 64
     q, kv, idx, snk = make_case(2, 2, 16, D, 90, 75, fp8=fp8, sink=True, empty_rows=[(0, 1)],
                                 seed=11 + splits)
     idx[1, 0, 40:] = -1
-    cfg = Config(16, 4, 1, 16, lazy, splits, fp8_hw, True)
+    cfg = Config(16, 4, 1, 16, lazy, splits, fp8_hw, prefetch=pipe == "prefetch",
+                 pipe_gather=pipe == "pipe_gather")
     out, lse = sparse_mla_mma(q, kv.reshape(-1, kv.shape[-1]), idx, snk.float(), D ** -0.5, D,
                               fp8=fp8, config=cfg)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=D, attn_sink=snk, backend="torch")

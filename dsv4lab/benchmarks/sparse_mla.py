@@ -105,7 +105,8 @@ def _time(fn_one, sets, warmup_ms, rep_ms):
     return bench.time_graph(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
-VARIANT_NAMES = ("prefetch_n32", "prefetch_n64")   # keys of sparse_mla_mma.VARIANTS
+VARIANT_NAMES = ("prefetch_n32", "prefetch_n64",   # keys of sparse_mla_mma.VARIANTS
+                 "pipe_gather_n32_s3", "pipe_gather_n32_s4", "stages5_n32")
 
 
 def plan(smoke: bool) -> dict:
