@@ -376,6 +376,24 @@ def check_logits_config(cfg: dict, mode: int) -> None:
                          f"{cfg['fp32_precision']!r}")
 
 
+def logits_splits(rows: int, L: int, block_n: int, programs_per_sm: int, sm_count: int) -> int:
+    """Programs per row of the logits kernel: about ``programs_per_sm`` per SM in all.
+
+    Fixed by the shapes alone (never by ``context_lens``). Rounded down: a grid just past
+    a multiple of the resident programs would add a nearly empty last wave. The cap at
+    ``cdiv(L, block_n)`` tiles is the only way L enters, and it saturates: once
+    ``L >= block_n * programs_per_sm * sm_count // rows`` the grid no longer depends on L
+    (on an H200, fp8 config, 64 rows: 16 splits from 2,048 entries = 8K tokens up).
+    """
+    return max(1, min(triton.cdiv(L, block_n), programs_per_sm * sm_count // rows))
+
+
+def _int_specialization(**ints) -> dict:
+    """How Triton specialises integer arguments (== 1, divisible by 16): two launches
+    whose ints agree on these reuse one compiled kernel."""
+    return {k: (v == 1, v % 16 == 0) for k, v in ints.items()}
+
+
 def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L,
                    fill_tail: bool, fp8_bytes=None, skip_upto: int = -1, config=None,
                    info=None):
@@ -406,10 +424,7 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
         BLOCK_N = 16
     BLOCK_D = min(D_PAD, cfg["block_d"] or D_PAD)
     rows = B * S
-    n_tiles_max = triton.cdiv(L, BLOCK_N)
-    # fixed by the shapes alone (never by context_lens). Rounded down: a grid just past a
-    # multiple of the resident programs would add a nearly empty last wave.
-    splits = max(1, min(n_tiles_max, cfg["programs_per_sm"] * _sm_count(q.device) // rows))
+    splits = logits_splits(rows, L, BLOCK_N, cfg["programs_per_sm"], _sm_count(q.device))
     n_bound = min(L, block_table.shape[1] * page)
     if fill_tail:
         skip_upto = -1              # every visible column is scored when the tail is filled
@@ -424,9 +439,15 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
         NUM_SPLITS=splits, CONTIGUOUS=bool(cfg["contiguous"]), DOT_MODE=mode,
         FP32_PRECISION=cfg["fp32_precision"], FILL_TAIL=fill_tail, Q_U8=q_u8, K_U8=k_u8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if info is not None:            # launch facts for the tuner (none under the interpreter)
+    if info is not None:            # launch facts (compiled-kernel ones: none in the interpreter)
         info.update(splits=splits, programs=rows * splits, block_n=BLOCK_N, block_d=BLOCK_D,
-                    dot=DOT_NAMES[mode])
+                    dot=DOT_NAMES[mode], grid=(rows, splits),
+                    constexprs=dict(D=D, PAGE=page, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N,
+                                    BLOCK_D=BLOCK_D, NUM_SPLITS=splits,
+                                    CONTIGUOUS=bool(cfg["contiguous"]), DOT_MODE=mode,
+                                    FILL_TAIL=fill_tail, Q_U8=q_u8, K_U8=k_u8),
+                    int_specialization=_int_specialization(L=L, n_bound=n_bound,
+                                                           skip_upto=skip_upto))
         for name in ("n_regs", "n_spills"):
             info[name] = getattr(kernel, name, None)
         info["shared"] = getattr(getattr(kernel, "metadata", None), "shared", None)
@@ -454,28 +475,45 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *
 
 
 def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, topk, *,
-                 fp8_bytes=None, config=None):
+                 fp8_bytes=None, config=None, scratch=None, info=None):
     """Top-``topk`` logical positions int32 [B, S_q, topk], -1 padded; O(actual length).
 
-    The logits go to an uninitialised [B, S_q, L] scratch of which only the visible
+    The logits go to an uninitialised [B, S_q, L] fp32 scratch (``scratch``: one to reuse,
+    e.g. shared by several captured graphs; else allocated) of which only the visible
     prefix of rows with more than ``topk`` entries is written and read (a row that keeps
-    everything needs no scores); the grids depend on shapes only, nothing reads back to
-    the host: capturable in a CUDA graph.
+    everything needs no scores, so nothing of it is written). The grids depend on shapes
+    only, nothing reads back to the host: capturable in a CUDA graph. ``info``, a dict
+    that receives both launches' grids, constexprs and integer specialisations (with
+    ``logits_`` / ``topk_`` prefixes).
 
     Explained in notebooks/03_indexer_capping.ipynb.
     """
     B, S = q.shape[:2]
-    scratch = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
-    _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, scratch, L, False,
-                   fp8_bytes, skip_upto=topk, config=config)
+    # the result first: its place in the allocator's pool must not depend on L's scratch
     out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
+    if scratch is None:
+        scratch = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
+    elif (scratch.shape != (B, S, L) or scratch.dtype != torch.float32
+          or not scratch.is_contiguous() or scratch.device != q.device):
+        raise ValueError(f"scratch must be a contiguous float32 [B, S_q, L] = {(B, S, L)} on "
+                         f"{q.device}, got {scratch.dtype} {tuple(scratch.shape)} on "
+                         f"{scratch.device}")
+    linfo = {} if info is not None else None
+    _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, scratch, L, False,
+                   fp8_bytes, skip_upto=topk, config=config, info=linfo)
     interp = _interpreting(q.device)
     BLOCK = 64 if interp else 2048
     FILL = min(triton.next_power_of_2(topk), 64 if interp else 1024)
+    num_warps = 4 if interp else 8
     n_bound = min(L, block_table.shape[1] * k_cache.shape[1])
     _topk_kernel[(B * S,)](
         scratch, context_lens, out,
         S, L, n_bound,
         context_lens.stride(0), context_lens.stride(1),
-        TOPK=topk, BLOCK=BLOCK, FILL=FILL, num_warps=4 if interp else 8)
+        TOPK=topk, BLOCK=BLOCK, FILL=FILL, num_warps=num_warps)
+    if info is not None:
+        info.update({f"logits_{k}": v for k, v in linfo.items()})
+        info.update(topk_grid=(B * S,), topk_constexprs=dict(TOPK=topk, BLOCK=BLOCK, FILL=FILL),
+                    topk_num_warps=num_warps,
+                    topk_int_specialization=_int_specialization(stride_lr=L, n_bound=n_bound))
     return out

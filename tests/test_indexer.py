@@ -182,6 +182,59 @@ def test_topk_all_ties_and_all_negative():
                                                                   backend="triton"))
 
 
+def test_logits_grid_saturates_at_h200_shapes():
+    """The one way L enters the logits grid (the cap at cdiv(L, block_n) tiles) is gone
+    from 8K tokens up: at the bench's H200 shape (64 rows, 132 SMs, fp8 config) the grid
+    is the same at 8K, 32K, 128K and 1M max-context tokens (2,048 .. 262,144 entries)."""
+    cfg = K.logits_config(K.DOT_FP8, FP8)
+    per_row = cfg["programs_per_sm"] * 132 // 64
+    splits = {L: K.logits_splits(64, L, cfg["block_n"], cfg["programs_per_sm"], 132)
+              for L in (2048, 8192, 32768, 262144)}
+    assert set(splits.values()) == {per_row}, splits
+    assert K.logits_splits(64, 1024, cfg["block_n"], cfg["programs_per_sm"], 132) < per_row
+
+
+def test_topk_launches_and_result_independent_of_max_context():
+    """Same actual lengths, max context 256 vs 4,096 entries: identical grids, constexprs
+    and integer specialisations (so one compiled kernel and the same work), same result."""
+    q, k, ks, w, bt, ctx = make(B=2, S=2, page=16, max_pages=256, ctx=[[40, 7], [16, 0]])
+    infos, outs = [], []
+    for L in (256, 4096):
+        info = {}
+        bt_l = bt[:, : L // 16].contiguous()
+        outs.append(K.indexer_topk(q, k, ks, w, bt_l, ctx, L, 16, info=info))
+        infos.append(info)
+    assert infos[0] == infos[1]
+    assert infos[0]["logits_grid"][1] > 1 and infos[0]["topk_grid"] == (4,)
+    assert torch.equal(outs[0], outs[1])
+    check_topk(outs[0], reference_logits(q, k, ks, w, bt, ctx, 256), ctx, 16, TOL_INTERPRETER)
+
+
+def test_topk_writes_no_logits_for_rows_that_keep_everything():
+    """No O(L) write: the scratch is touched only over the visible tiles of rows with more
+    than topk entries (NaN sentinels elsewhere survive); nothing at all when n <= topk."""
+    q, k, ks, w, bt, ctx = make(B=3, S=2, page=16, max_pages=8, ctx=[[40, 7], [16, 0], [128, 3]])
+    L, topk = 128, 16
+    ref = reference_logits(q, k, ks, w, bt, ctx, L)
+    small = ctx.clamp(max=topk)
+    scratch = torch.full((3, 2, L), float("nan"))
+    idx = K.indexer_topk(q, k, ks, w, bt, small, L, topk, scratch=scratch)
+    assert torch.isnan(scratch).all(), "a row with n <= topk wrote logits"
+    check_topk(idx, reference_logits(q, k, ks, w, bt, small, L), small, topk, TOL_INTERPRETER)
+    info = {}
+    idx = K.indexer_topk(q, k, ks, w, bt, ctx, L, topk, scratch=scratch, info=info)
+    check_topk(idx, ref, ctx, topk, TOL_INTERPRETER)
+    bn = info["logits_block_n"]
+    for b in range(3):
+        for s in range(2):
+            n = int(ctx[b, s])
+            written = -(-n // bn) * bn if n > topk else 0
+            assert not torch.isnan(scratch[b, s, :n if n > topk else 0]).any()
+            assert torch.isnan(scratch[b, s, written:]).all(), (b, s, n)
+    with pytest.raises(ValueError, match="scratch"):
+        K.indexer_topk(q, k, ks, w, bt, ctx, L, topk, scratch=torch.empty(3, 2, L - 1))
+
+
 def test_max_context_narrower_than_block_table():
     args = make(B=2, S=2, max_pages=5, ctx=[[30, 0], [45, 45]])
     ref = reference_logits(*args, 45)
