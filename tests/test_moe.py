@@ -548,6 +548,20 @@ def test_gpu_flash_shape(fmt, T):
     assert_close(out, ref, torch.bfloat16)
 
 
+def _flash_variant_case(fmt, T, seed):
+    """Flash's hidden/intermediate with 32 experts on the GPU: inputs, routing (one -1 slot),
+    the fp32 torch reference and per-expert device globals for calling the kernel directly."""
+    E, H, I, k = 32, 4096, 2048, 6
+    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.02)
+    torch.manual_seed(T)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
+    ids[0, -1] = -1
+    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
+    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    return x, ex, ids, w, ref, kw
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -555,14 +569,7 @@ def test_gpu_flash_shape(fmt, T):
 def test_gpu_swap_ab_variant(fmt, T):
     # the experimental swap-AB dot (weights on the M side) at Flash's sizes, 32 experts
     from dsv4lab.kernels import moe as kmoe
-    E, H, I, k = 32, 4096, 2048, 6
-    ex = make_experts(E, H, I, fmt, seed=11 + T, device="cuda", scale=0.02)
-    torch.manual_seed(T)
-    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
-    ids[0, -1] = -1
-    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
-    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=11 + T)
     for cfg in (dict(BN1=64, BN2=64, SWAP_AB=True),
                 dict(BN1=128, BN2=128, SWAP_AB=True, num_warps=8, SPLIT2=2),
                 # DECODE32 (int32 words of packed bytes), as timed by `dsv4lab bench moe`
@@ -584,14 +591,7 @@ def test_gpu_fastdec_variant(fmt, T):
     # reference, and against the byte decode with the same tiles (same bits: the dots see the
     # same fp16 operands, so only accumulation order could differ; bf16 output tolerance)
     from dsv4lab.kernels import moe as kmoe
-    E, H, I, k = 32, 4096, 2048, 6
-    ex = make_experts(E, H, I, fmt, seed=23 + T, device="cuda", scale=0.02)
-    torch.manual_seed(T)
-    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
-    ids[0, -1] = -1
-    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
-    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=23 + T)
     for cfg in (dict(BN1=64, BN2=64, FASTDEC=True),                 # as `dsv4lab bench moe`
                 dict(BN1=64, BN2=64, FASTDEC=True, SWAP_AB=True),
                 dict(BN1=32, BN2=64, SPLIT2=2, FASTDEC=True),
