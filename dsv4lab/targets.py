@@ -117,7 +117,10 @@ def _step(rows):
         if t["met"] is None:
             continue
         ref = [r for r in rows if r.get("tokens_per_s") in (t["before_tok_s"], t["after_tok_s"])]
-        out.append(_verdict(t["target"], t["value"], t["goal"], t["met"], *ref))
+        goal = t["goal"]
+        if t.get("ceiling"):
+            goal += f"; no indexer can beat {t['ceiling']:.2g}x with this before"
+        out.append(_verdict(t["target"], t["value"], goal, t["met"], *ref))
     return out
 
 

@@ -187,13 +187,16 @@ def test_extrapolation_needs_every_kind():
 
 def test_targets_from_rows():
     base = dict(concurrency=64, context=512)
-    rows = [dict(preset="before", max_context=1048576, tokens_per_s=30.0, **base),
+    rows = [dict(preset="before", max_context=1048576, tokens_per_s=30.0, step_ms=2000.0,
+                 ms_indexer=1900.0, **base),
             dict(preset="indexer_triton", max_context=1048576, tokens_per_s=450.0, **base),
             dict(preset="after", max_context=8192, tokens_per_s=600.0, **base),
             dict(preset="after", max_context=131072, tokens_per_s=590.0, **base),
             dict(preset="after", max_context=1048576, tokens_per_s=540.0, **base)]
     t = {x["target"].split(" (")[0]: x for x in S.targets(rows)}
     assert math.isclose(t["indexer_triton alone vs before"]["value"], 15.0) and t["indexer_triton alone vs before"]["met"]
+    # Amdahl: 2000 ms with a 1900 ms indexer -> no indexer beats 2000 / 100 = 20x
+    assert math.isclose(t["indexer_triton alone vs before"]["ceiling"], 20.0)
     assert t["after: max context 8,192 -> 131,072"]["met"]
     assert not t["after: max context 8,192 -> 1,048,576"]["met"]
     assert S.targets([]) == []
