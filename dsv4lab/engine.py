@@ -289,6 +289,8 @@ class Engine:
                                                    fmt=fmt, target=target).name
             table["indexer_topk"] = B.resolve("indexer_topk", table.get("indexer_topk", "auto"),
                                               target=target).name
+            if table.get("mhc", "auto") != "auto":      # "auto" is decided per call (grad, device)
+                B.resolve("mhc", table["mhc"], target=target)
             if model.expert_format != "bf16":
                 plan = B.resolve_moe_backend(role, metadata={"expert_format": model.expert_format},
                                              moe_runner_backend=table.get("fused_moe", "auto"),

@@ -66,10 +66,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dsv4lab import ops, quant
+from dsv4lab.ops import mhc as _mhc_ops
 from dsv4lab.config import DSV4Config
 from dsv4lab.ops.moe import swiglu   # the clamped SwiGLU of the MoE op (limit None or > 0)
 
-OPS = ("sparse_mla_decode", "indexer_topk", "fused_moe")
+OPS = ("sparse_mla_decode", "indexer_topk", "fused_moe", "mhc")
 EXPERT_FORMATS = ("bf16", "mxfp4", "nvfp4")
 
 
@@ -141,13 +142,8 @@ def rope_tail(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float,
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float = 1e-6) -> torch.Tensor:
     """[.., n, n] logits -> a (nearly) doubly stochastic matrix: softmax, then alternate
-    column and row normalisation."""
-    m = logits.softmax(-1) + eps          # every entry >= eps: the sums below are > 0
-    m = m / m.sum(-2, keepdim=True)
-    for _ in range(iters - 1):
-        m = m / m.sum(-1, keepdim=True)
-        m = m / m.sum(-2, keepdim=True)
-    return m
+    column and row normalisation (the torch reference, :func:`dsv4lab.ops.mhc.sinkhorn`)."""
+    return _mhc_ops.sinkhorn(logits, iters, eps)
 
 
 class HyperConnection(nn.Module):
@@ -174,26 +170,17 @@ class HyperConnection(nn.Module):
         self.base[2 * n:] = 4.0 * torch.eye(n).flatten()             # comb near identity
         self.scale.fill_(1.0)
 
-    def pre(self, x: torch.Tensor):
-        """x [.., n, d] -> (y [.., d], post [.., n], comb [.., n, n])."""
-        n = self.n
-        with torch.autocast(x.device.type, enabled=False):
-            xf = x.flatten(-2).float()
-            mixes = (xf @ self.fn.float().t()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-            s, b = self.scale.float(), self.base.float()
-            pre = torch.sigmoid(mixes[..., :n] * s[0] + b[:n]) + self.eps
-            post = 2 * torch.sigmoid(mixes[..., n:2 * n] * s[1] + b[n:2 * n])
-            comb = (mixes[..., 2 * n:] * s[2] + b[2 * n:]).unflatten(-1, (n, n))
-            comb = sinkhorn(comb, self.iters, self.eps)
-            y = (pre.unsqueeze(-1) * x.float()).sum(-2)
-        return y.to(x.dtype), post, comb
+    def pre(self, x: torch.Tensor, backends: dict | None = None):
+        """x [.., n, d] -> (y [.., d], post [.., n], comb [.., n, n]) via :func:`dsv4lab.ops.mhc_pre`
+        (backend ``backends["mhc"]``, default "auto")."""
+        return ops.mhc_pre(x, self.fn, self.base, self.scale, iters=self.iters, eps=self.eps,
+                           backend=(backends or {}).get("mhc", "auto"))
 
     @staticmethod
-    def post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-        """streams_i = post_i * out + sum_j comb_ij * residual_j."""
-        with torch.autocast(out.device.type, enabled=False):
-            y = post.unsqueeze(-1) * out.float().unsqueeze(-2) + comb @ residual.float()
-        return y.to(residual.dtype)
+    def post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             backends: dict | None = None):
+        """streams_i = post_i * out + sum_j comb_ij * residual_j (:func:`dsv4lab.ops.mhc_post`)."""
+        return ops.mhc_post(out, residual, post, comb, backend=(backends or {}).get("mhc", "auto"))
 
 
 class HCHead(nn.Module):
@@ -206,13 +193,10 @@ class HCHead(nn.Module):
         self.base = nn.Parameter(torch.full((n,), math.log(1.0 / (n - 1)) if n > 1 else 4.0))
         nn.init.normal_(self.fn, std=0.1 / math.sqrt(n * dim))
 
-    def forward(self, x):
-        with torch.autocast(x.device.type, enabled=False):
-            xf = x.flatten(-2).float()
-            mixes = (xf @ self.fn.float().t()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-            pre = torch.sigmoid(mixes + self.base.float()) + self.eps
-            y = (pre.unsqueeze(-1) * x.float()).sum(-2)
-        return y.to(x.dtype)
+    def forward(self, x, backends: dict | None = None):
+        """x [.., n, d] -> y [.., d] via :func:`dsv4lab.ops.mhc_head`."""
+        return ops.mhc_head(x, self.fn, self.base, eps=self.eps,
+                            backend=(backends or {}).get("mhc", "auto"))
 
 
 def _linear(i: int, o: int) -> nn.Linear:
@@ -771,13 +755,13 @@ class Block(nn.Module):
 
     def forward_decode(self, x, tokens, meta: DecodeMeta, cache: LayerCache, backends=None):
         """x [B, S, n, d], tokens [B, S] -> x [B, S, n, d]."""
-        y, post, comb = self.hc_attn.pre(x)
+        y, post, comb = self.hc_attn.pre(x, backends)
         a = self.attn.forward_decode(self.attn_norm(y), meta, cache, backends)
-        x = HyperConnection.post(a, x, post, comb)
-        y, post, comb = self.hc_ffn.pre(x)
+        x = HyperConnection.post(a, x, post, comb, backends)
+        y, post, comb = self.hc_ffn.pre(x, backends)
         B, S, d = y.shape
         m = self.moe.forward_decode(self.ffn_norm(y).reshape(B * S, d), tokens.reshape(-1), backends)
-        return HyperConnection.post(m.view(B, S, d), x, post, comb)
+        return HyperConnection.post(m.view(B, S, d), x, post, comb, backends)
 
 
 class MTP(nn.Module):
@@ -837,9 +821,9 @@ class DSV4(nn.Module):
                 m.quantize_(fmt)
         return self
 
-    def logits(self, x):
+    def logits(self, x, backends: dict | None = None):
         """streams [.., n, d] -> logits [.., vocab] (fp32)."""
-        return self.head(self.norm(self.hc_head(x))).float()
+        return self.head(self.norm(self.hc_head(x, backends))).float()
 
     # ---- training ---------------------------------------------------------------------
     def forward_train(self, tokens: torch.Tensor):
@@ -893,7 +877,7 @@ class DSV4(nn.Module):
         x = self.embed(tokens).unsqueeze(-2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.layers, caches):
             x = layer.forward_decode(x, tokens, meta, cache, backends)
-        return self.logits(x), x
+        return self.logits(x, backends), x
 
     def mtp_forward_decode(self, streams, next_tokens, meta: DecodeMeta, cache: LayerCache,
                            backends: dict | None = None, k: int = 0):
@@ -902,7 +886,7 @@ class DSV4(nn.Module):
         m = self.mtp[k]
         x = m._input(streams, self.embed(next_tokens))
         x = m.block.forward_decode(x, next_tokens, meta, cache, backends)
-        return self.head(m.norm(m.hc_head(x))).float(), x
+        return self.head(m.norm(m.hc_head(x, backends))).float(), x
 
     def ratios(self) -> list[int]:
         """Compress ratio of each main layer, then the MTP layer's."""

@@ -133,6 +133,7 @@ class StepConfig:
     indexer_dtype: str = "fp32"        # the indexer matmul's operands: fp32, bf16 or fp8 keys
     kv_cache: str = "bf16"             # MLA latent cache: bf16 or the 584-byte FP8 layout
     moe: str = "triton"                # fused_moe backend
+    mhc: str = "auto"                  # mhc backend (the hyper-connections' per-token mixing)
     max_context: int | None = None
     change: str = ""                   # what differs from "before"
     note: str = ""
@@ -140,7 +141,7 @@ class StepConfig:
     def backends(self) -> dict:
         """The ``backends`` dict :meth:`dsv4lab.model.Block.forward_decode` takes."""
         return {"sparse_mla_decode": self.attention, "indexer_topk": self.indexer,
-                "fused_moe": self.moe}
+                "fused_moe": self.moe, "mhc": self.mhc}
 
     @property
     def capturable(self) -> bool:
@@ -187,9 +188,9 @@ _AFTER = StepConfig(name="after", attention="mma", indexer="triton", indexer_dty
                     note="MMA attention over FP8 KV, Triton indexer with FP8 keys, Triton MXFP4 MoE")
 
 PRESET_NAMES = ("before", "mma", "indexer_triton", "indexer_fp8", "cap_8k", "moe_torch",
-                "after", "after_kv_bf16", "after_simt")
+                "after", "after_kv_bf16", "after_simt", "after_mhc_torch")
 SINGLE_CHANGES = ("mma", "indexer_triton", "indexer_fp8", "cap_8k", "moe_torch")
-ABLATIONS = ("after_kv_bf16", "after_simt")
+ABLATIONS = ("after_kv_bf16", "after_simt", "after_mhc_torch")
 
 
 def preset(name: str, cfg: DSV4Config | None = None) -> StepConfig:
@@ -221,6 +222,10 @@ def preset(name: str, cfg: DSV4Config | None = None) -> StepConfig:
         "after_simt": _AFTER.replace(name="after_simt", attention="simt", kv_cache="bf16",
                                      change="after, attention mma -> simt (bf16 KV)",
                                      note="after with the SIMT kernel (SIMT takes bf16 KV only)"),
+        "after_mhc_torch": _AFTER.replace(name="after_mhc_torch", mhc="torch",
+                                          change="after, mHC triton -> torch",
+                                          note="after with the hyper-connections' mixing in plain torch "
+                                               "(dozens of tiny kernels a layer)"),
     }
     if name not in table:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}")
@@ -420,6 +425,7 @@ class StepDriver:
                          fmt="fp8" if step.kv_cache == "fp8" else "dense", device=dev)
         backends.resolve("indexer_topk", step.indexer, device=dev)
         backends.resolve("fused_moe", step.moe, fmt="mxfp4", device=dev)
+        backends.resolve("mhc", step.mhc, device=dev)
 
         B, p = batch, context - 1
         gen = torch.Generator(device=dev)
@@ -623,7 +629,7 @@ class StepDriver:
             "preset": st.name, "change": st.change, "model": cfg.name,
             "concurrency": state.batch, "context": state.context, "max_context": st.max_context,
             "attention": st.attention, "indexer": st.indexer, "indexer_dtype": st.indexer_dtype,
-            "kv_cache": st.kv_cache, "moe": st.moe, "page_size": state.page_size,
+            "kv_cache": st.kv_cache, "moe": st.moe, "mhc": st.mhc, "page_size": state.page_size,
             "layers_measured": {str(r): lid for r, lid in self.layer_ids.items()},
             "layer_counts": {str(r): n for r, n in counts.items()},
             "model_layers": cfg.num_layers, "mtp": "excluded",
@@ -715,7 +721,7 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
     attn = blk.attn
-    y, post, comb = blk.hc_attn.pre(x)
+    y, post, comb = blk.hc_attn.pre(x, be)
     mark("mhc")
     h = blk.attn_norm(y)
     pos = meta.positions
@@ -729,15 +735,15 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
         taps["attention"] = o
     a = attn._out(o.to(h.dtype), pos)
     mark("out_proj")
-    x = M.HyperConnection.post(a, x, post, comb)
-    y, post, comb = blk.hc_ffn.pre(x)
+    x = M.HyperConnection.post(a, x, post, comb, be)
+    y, post, comb = blk.hc_ffn.pre(x, be)
     mark("mhc")
     B, S, d = y.shape
     m = blk.moe.forward_decode(blk.ffn_norm(y).reshape(B * S, d), tokens.reshape(-1), be)
     mark("moe")
     if taps is not None:
         taps["moe"] = m
-    x = M.HyperConnection.post(m.view(B, S, d), x, post, comb)
+    x = M.HyperConnection.post(m.view(B, S, d), x, post, comb, be)
     mark("mhc")
     return x
 

@@ -324,7 +324,7 @@ class TPLayer(nn.Module):
         be = backends or {}
         blk, attn = self.blk, self.blk.attn
         cfg = attn.cfg
-        y, post, comb = blk.hc_attn.pre(x)
+        y, post, comb = blk.hc_attn.pre(x, be)
         mark("mhc")
         h = blk.attn_norm(y)
         if taps is not None:
@@ -345,8 +345,8 @@ class TPLayer(nn.Module):
         mark("allreduce_attn")
         if taps is not None:
             taps["attention"] = a
-        x = M.HyperConnection.post(a, x, post, comb)
-        y, post, comb = blk.hc_ffn.pre(x)
+        x = M.HyperConnection.post(a, x, post, comb, be)
+        y, post, comb = blk.hc_ffn.pre(x, be)
         mark("mhc")
         B, S_, d = y.shape
         m_in = blk.ffn_norm(y).reshape(B * S_, d)
@@ -356,7 +356,7 @@ class TPLayer(nn.Module):
         mark("allreduce_moe")
         if taps is not None:
             taps["moe_in"], taps["moe"] = m_in, m
-        x = M.HyperConnection.post(m.view(B, S_, d), x, post, comb)
+        x = M.HyperConnection.post(m.view(B, S_, d), x, post, comb, be)
         mark("mhc")
         return x
 

@@ -40,7 +40,7 @@ def runs(driver):
 
 
 # ---------------------------------------------------------------- presets -------------
-CONFIG_FIELDS = ("attention", "indexer", "indexer_dtype", "kv_cache", "moe", "max_context")
+CONFIG_FIELDS = ("attention", "indexer", "indexer_dtype", "kv_cache", "moe", "mhc", "max_context")
 
 
 def _diff(a: S.StepConfig, b: S.StepConfig) -> set:

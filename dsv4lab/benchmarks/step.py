@@ -51,7 +51,8 @@ FULL_GRID = (
     TARGET_GRID
     + [(p, c, 512, None) for c in (1, 8, 32, 128) for p in ("after", "before")]
     + [("mma", 64, 512, None), ("indexer_fp8", 64, 512, None),
-       ("after_kv_bf16", 64, 512, None), ("after_simt", 64, 512, None)]
+       ("after_kv_bf16", 64, 512, None), ("after_simt", 64, 512, None),
+       ("after_mhc_torch", 64, 512, None), ("after_mhc_torch", 8, 512, None)]
     + [("after", c, 131072, None) for c in CONCURRENCIES]
     + [("before", c, 131072, None) for c in (1, 8, 64, 128)]
     + [("moe_torch", 64, 512, None), ("indexer_triton", 64, 131072, None),

@@ -1,0 +1,206 @@
+"""mHC (manifold-constrained hyper-connections), the per-token mixing math fused.
+
+DeepSeek-V4 keeps ``n`` (4) residual streams per token. Around each sub-block a
+hyper-connection computes, per token, from the flattened streams ``xf = x.flatten()``
+(``n * d`` values)::
+
+    mixes = (xf @ fn.T) * rsqrt(mean(xf^2) + eps)                  # (2 + n) * n values
+    pre   = sigmoid(mixes[:n] * s0 + b[:n]) + eps                   # n
+    post  = 2 * sigmoid(mixes[n:2n] * s1 + b[n:2n])                 # n
+    comb  = sinkhorn(mixes[2n:] * s2 + b[2n:])                      # n x n
+    y     = sum_i pre[i] * x[i]                                     # d: the sub-block input
+
+and after the sub-block (output ``out``)::
+
+    streams[i] = post[i] * out + sum_j comb[i, j] * x[j]
+
+``sinkhorn``: row softmax, ``+ eps``, a column normalisation, then ``iters - 1`` rounds
+of (row, column) normalisation. In torch that is 20 iterations of tiny ops on [T, n, n]
+tensors plus the sigmoids and reductions: hundreds of kernel launches per layer, which
+cost more than the math (a few KB per token). Here:
+
+- ``mhc_pre``: one program per (token, d-slice). It reads the token's streams once for
+  the sum of squares, does the whole n x n Sinkhorn in registers, stores ``post`` and
+  ``comb`` (first slice only), and writes its slice of ``y``. The ``xf @ fn.T`` matmul
+  (``n*d`` x ``(2+n)*n``) stays with cuBLAS: it is a real GEMM over a weight that does
+  not fit one program. ``HEAD=True`` is the model's final reduction (pre weights only,
+  no ``scale``).
+- ``mhc_post``: one program per (token, d-block): ``n`` rows of ``post * out + comb @ x``.
+
+The two passes over a token's streams in ``mhc_pre`` are ``tl.range(..., num_stages=3)``
+loops: without a ``tl.dot`` in the loop the pipeliner leaves loads alone unless asked;
+asked, the sm_90 TTGIR shows ``async_copy_global_to_local`` into 3 shared buffers.
+
+Both use a fixed grid, no host synchronisation and no data-dependent shapes (safe inside
+CUDA-graph capture), fp32 math, and run in Triton's interpreter at tiny shapes.
+Explained in notebooks/06_decode_step_at_scale.ipynb.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mhc_pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
+                    D, iters, eps, blocks_per_split,
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD: tl.constexpr, STAGES: tl.constexpr):
+    """x [T, N, D] (any float), mixes [T, M] fp32 (xf @ fn.T, not yet scaled), y [T, D]."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    M: tl.constexpr = N if HEAD else (2 + N) * N
+    rows = tl.arange(0, NP)
+    rmask = rows < N
+    cols = tl.arange(0, BLOCK_D)
+    x_row = x_ptr + t * N * D
+
+    # 1) sum of squares over all n*d values of the token (every d-slice needs it)
+    acc = tl.zeros([NP, BLOCK_D], dtype=tl.float32)
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
+        c = d0 + cols
+        m = rmask[:, None] & (c < D)[None, :]
+        v = tl.load(x_row + rows[:, None] * D + c[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += v * v
+    ss = tl.sum(tl.sum(acc, axis=1), axis=0)
+    r = tl.rsqrt(ss / (N * D) + eps)
+
+    # 2) the per-token mixing weights (a few dozen scalars, in registers)
+    mix = mix_ptr + t * M
+    if HEAD:
+        a_pre = tl.load(mix + rows, mask=rmask, other=0.0) * r
+    else:
+        a_pre = tl.load(mix + rows, mask=rmask, other=0.0) * r * tl.load(scale_ptr)
+    pre = tl.sigmoid(a_pre + tl.load(base_ptr + rows, mask=rmask, other=0.0)) + eps
+    pre = tl.where(rmask, pre, 0.0)
+
+    if not HEAD:
+        if s == 0:
+            s1 = tl.load(scale_ptr + 1)
+            s2 = tl.load(scale_ptr + 2)
+            a_post = tl.load(mix + N + rows, mask=rmask, other=0.0) * r * s1
+            post = 2.0 * tl.sigmoid(a_post + tl.load(base_ptr + N + rows, mask=rmask, other=0.0))
+            tl.store(post_ptr + t * N + rows, post, mask=rmask)
+
+            cidx = rows[:, None] * N + rows[None, :]
+            cmask = rmask[:, None] & rmask[None, :]
+            logits = tl.load(mix + 2 * N + cidx, mask=cmask, other=0.0) * r * s2 \
+                + tl.load(base_ptr + 2 * N + cidx, mask=cmask, other=0.0)
+            logits = tl.where(cmask, logits, float("-inf"))
+            # row softmax + eps (padded entries stay exactly 0)
+            mx = tl.where(rmask, tl.max(logits, axis=1), 0.0)   # padded rows: no -inf - -inf
+            e = tl.exp(logits - mx[:, None])
+            e = tl.where(cmask, e, 0.0)
+            rs = tl.sum(e, axis=1)
+            mat = tl.where(cmask, e / tl.where(rmask, rs, 1.0)[:, None] + eps, 0.0)
+            cs = tl.sum(mat, axis=0)
+            mat = mat / tl.where(rmask, cs, 1.0)[None, :]
+            for _ in range(iters - 1):
+                rs = tl.sum(mat, axis=1)
+                mat = mat / tl.where(rmask, rs, 1.0)[:, None]
+                cs = tl.sum(mat, axis=0)
+                mat = mat / tl.where(rmask, cs, 1.0)[None, :]
+            tl.store(comb_ptr + t * N * N + cidx, mat, mask=cmask)
+
+    # 3) y = sum_i pre[i] * x[i] over this program's slice of d
+    d_start = s * blocks_per_split * BLOCK_D
+    d_end = tl.minimum(D, d_start + blocks_per_split * BLOCK_D)
+    for d0 in tl.range(d_start, d_end, BLOCK_D, num_stages=STAGES):
+        c = d0 + cols
+        cm = c < d_end
+        m = rmask[:, None] & cm[None, :]
+        v = tl.load(x_row + rows[:, None] * D + c[None, :], mask=m, other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * v, axis=0)
+        tl.store(y_ptr + t * D + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _mhc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D,
+                     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y[t, i, :] = post[t, i] * out[t, :] + sum_j comb[t, i, j] * res[t, j, :]."""
+    t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    rows = tl.arange(0, NP)
+    rmask = rows < N
+    c = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < D
+    res = tl.load(res_ptr + t * N * D + rows[:, None] * D + c[None, :],
+                  mask=rmask[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    o = tl.load(out_ptr + t * D + c, mask=cm, other=0.0).to(tl.float32)
+    for i in tl.static_range(N):
+        p_i = tl.load(post_ptr + t * N + i)
+        c_i = tl.load(comb_ptr + t * N * N + i * N + rows, mask=rmask, other=0.0)
+        y = p_i * o + tl.sum(c_i[:, None] * res, axis=0)
+        tl.store(y_ptr + t * N * D + i * D + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+
+
+# ------------------------------------------------------------------------- launchers
+
+_SM_COUNT: dict[int, int] = {}
+_PRE_STAGES = [3]        # loop pipelining depth of mhc_pre's two passes (1 = none)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor | None,
+            iters: int, eps: float, *, block_d: int | None = None, split: int | None = None):
+    """x [T, n, d] contiguous, mixes [T, M] fp32 (``xf @ fn.T``), base [M] fp32, scale [3]
+    fp32 (None: the head, M = n) -> (y [T, d] x.dtype, post [T, n] fp32, comb [T, n, n] fp32)
+    (post and comb are None for the head).
+
+    ``split`` d-slices per token (default: enough programs to fill the GPU); each slice
+    re-reads the token's streams for the sum of squares (from L2) and writes its part of y.
+    """
+    T, n, d = x.shape
+    head = scale is None
+    y = torch.empty((T, d), dtype=x.dtype, device=x.device)
+    post = None if head else torch.empty((T, n), dtype=torch.float32, device=x.device)
+    comb = None if head else torch.empty((T, n, n), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return y, post, comb
+    NP = triton.next_power_of_2(n)
+    BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 2048 // NP))
+    n_blocks = triton.cdiv(d, BLOCK_D)
+    if split is None:
+        split = max(1, min(n_blocks, triton.cdiv(2 * _sm_count(x.device), T)))
+    split = max(1, min(split, n_blocks))
+    per = triton.cdiv(n_blocks, split)
+    split = triton.cdiv(n_blocks, per)
+    args = (x, mixes, base, scale if not head else base, y,
+            post if not head else y, comb if not head else y, d, int(iters), float(eps), per)
+    meta = dict(N=n, NP=NP, BLOCK_D=BLOCK_D, HEAD=head, num_warps=4)
+    try:
+        _mhc_pre_kernel[(T, split)](*args, STAGES=_PRE_STAGES[0], **meta)
+    except Exception as e:                      # a compiler that cannot pipeline these loads
+        if _PRE_STAGES[0] == 1:
+            raise
+        warnings.warn(f"mhc_pre: pipelined ({_PRE_STAGES[0]}-stage) kernel failed to build "
+                      f"({type(e).__name__}: {str(e)[:200]}); using the unpipelined one")
+        _PRE_STAGES[0] = 1
+        _mhc_pre_kernel[(T, split)](*args, STAGES=1, **meta)
+    return y, post, comb
+
+
+def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             *, block_d: int | None = None) -> torch.Tensor:
+    """out [T, d], residual [T, n, d], post [T, n] fp32, comb [T, n, n] fp32 (all
+    contiguous) -> streams [T, n, d] in residual's dtype."""
+    T, n, d = residual.shape
+    y = torch.empty_like(residual)
+    if T == 0:
+        return y
+    NP = triton.next_power_of_2(n)
+    BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 1024 // NP))
+    _mhc_post_kernel[(T, triton.cdiv(d, BLOCK_D))](
+        out, residual, post, comb, y, d, N=n, NP=NP, BLOCK_D=BLOCK_D, num_warps=4)
+    return y
