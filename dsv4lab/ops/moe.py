@@ -319,6 +319,17 @@ def _fused_moe_triton(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *
                           config=kernel_config)
 
 
+@backends.register("fused_moe", "triton_scaled", kind="triton", priority=10, formats=("mxfp4",),
+                   min_capability=(8, 0), auto=False,
+                   description="MXFP4 MoE on tl.dot_scaled (kernels/moe_scaled.py): sm_80+, interpreter")
+def _fused_moe_triton_scaled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
+                             w13_global, w2_global, swiglu_limit, kernel_config=None):
+    """Grouped MXFP4 MoE on Triton's ``tl.dot_scaled`` (e2m1 upcast in registers + MMA)."""
+    from dsv4lab.kernels import moe_scaled as kms
+    return kms.fused_moe_scaled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                swiglu_limit=swiglu_limit, config=kernel_config)
+
+
 def _flashinfer_missing() -> str | None:
     if importlib.util.find_spec("flashinfer") is None:
         return "needs flashinfer (its trtllm_fp4_block_scale_moe kernel); flashinfer is not installed"
@@ -357,8 +368,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     chosen = backends.resolve("fused_moe", backend, fmt=fmt, device=x.device)
     extra = {}
     if kernel_config is not None:
-        if chosen.name != "triton":
-            raise ValueError(f"kernel_config applies to the 'triton' backend only; resolved {chosen.name!r}")
+        if chosen.name not in ("triton", "triton_scaled"):
+            raise ValueError(f"kernel_config applies to the 'triton' backend only (and 'triton_scaled'); "
+                             f"resolved {chosen.name!r}")
         extra["kernel_config"] = dict(kernel_config)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
