@@ -45,6 +45,22 @@ indices (a register load one tile ahead), so the gather depends on no load of it
 iteration and gets all ``num_stages - 1`` stages: at 3 stages a cp.async into 3 shared
 buffers with one tile in flight behind the MMAs (``async_wait`` num 1), at 4 stages two.
 
+FP8 fast path (``FP8_HW == 2``, ``Config.fp8_fast``, a variant). Compiled for sm_90 with
+the JIT's 16-byte pointer alignment, the FP8 gathers are 8-byte cp.async (rows are
+584 = 8 x 73 bytes apart), but the seven one-byte scale loads a row are too narrow for a
+cp.async and stay synchronous inside the loop, right after the wait for the tile's bytes:
+every tile pays one more full memory latency than the bf16 loop. The fast path reads the
+scale bytes 576..583 as one 8-byte word a row (a cp.async with the rest; byte j is group
+j's scale) and dequantises in fp32 (hardware e4m3x2 -> f16x2, to fp32, times the
+power-of-two scale, one rounding to the MMA dtype: exact up to that rounding), which also
+drops the scalar bf16 multiplies and their repacking.
+
+Transposed scores (``KQ_T``, a variant; bf16/fp16 KV). Triton lays out a dot whose result
+feeds another dot with all warps along M; at M = 64 heads and 8 warps both warp groups
+compute the same 64 x BLOCK_N scores. ``KQ_T`` computes S^T = K Q^T [BLOCK_N, heads] at
+BLOCK_N = 128 instead, so each warp group owns 64 tile rows, and transposes P back for
+the P V dot.
+
 Online softmax, lazily (``LAZY``). Rescaling the [heads, d_v] fp32 accumulator costs as
 many multiplies per tile as the tile has outputs; with ``LAZY`` the running max only moves
 (and the accumulator is only rescaled) when some head's max grew by more than 2^8, so
@@ -72,7 +88,7 @@ RESCALE_SLACK = tl.constexpr(8.0)   # LAZY: move the running max once 2^8 stale 
 
 @triton.jit
 def _gather_kv_raw(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   FP8: tl.constexpr, KDTYPE: tl.constexpr):
+                   FP8: tl.constexpr, KDTYPE: tl.constexpr, FP8_WORD: tl.constexpr = False):
     """Issue the loads of the latent rows ``rows`` ([BLOCK_N], int64): the bf16 tile, or
     the FP8 cache's raw parts (e4m3 bytes [N, 8, 64], scale bytes [N, 8, 1], bf16 RoPE
     [N, 1, 64]). Split from :func:`_dequant_kv` so ``PREFETCH`` can issue tile i+1's loads
@@ -86,7 +102,15 @@ def _gather_kv_raw(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.con
         v3 = valid[:, None, None]
         nope = v3 & (j < 7)
         b = tl.load(kv_ptr + base + j * 64 + c, mask=nope, other=0)           # [N, 8, 64]
-        sb = tl.load(kv_ptr + base + 576 + j, mask=nope, other=127)           # [N, 8, 1]
+        if FP8_WORD:
+            # the 8 scale bytes (576..583) as one 8-byte word a row: the row base 584 r is
+            # 8-byte aligned, so this is one 8-byte load (a cp.async the pipeliner can
+            # multi-buffer) where 7 one-byte loads stay synchronous inside the loop
+            w_ptr = kv_ptr.to(tl.pointer_type(tl.int64))
+            sb = tl.load(w_ptr + rows[:, None, None] * 73 + 72, mask=v3,
+                         other=0x7F7F7F7F7F7F7F7F)                           # [N, 1, 1]
+        else:
+            sb = tl.load(kv_ptr + base + 576 + j, mask=nope, other=127)       # [N, 8, 1]
         rope_ptr = kv_ptr.to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(rope_ptr + rows[:, None, None] * 292 + 224 + c, mask=v3, other=0.0)
         return b, sb, rope
@@ -106,8 +130,16 @@ def _dequant_kv(b, sb, rope, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: 
     """The [BLOCK_N, BLOCK_D] K tile from :func:`_gather_kv_raw`'s parts (bf16: as is)."""
     if FP8:
         j = tl.arange(0, 8)[None, :, None]
-        sbi = sb.to(tl.int32) & 0xFF
-        if FP8_HW:
+        if FP8_HW == 2:
+            # FP8_WORD scales (one int64 a row, little-endian: byte j = group j's scale);
+            # dequantise in fp32 (exact: e4m3 and 2^(s-127) are fp32 values, so is their
+            # product) and round once to the MMA dtype: no scalar bf16 multiply and repacking
+            sbi = ((sb >> (j * 8).to(tl.int64)) & 0xFF).to(tl.int32)            # [N, 8, 1]
+            x = b.to(tl.float8e4nv, bitcast=True)
+            sc = (sbi << 23).to(tl.float32, bitcast=True)
+            val = x.to(tl.float32) * sc
+        elif FP8_HW:
+            sbi = sb.to(tl.int32) & 0xFF
             # hardware e4m3 conversion; the scale 2^(s-127) is the fp32 with exponent s
             # (s = 0, a block with amax < 2^-118, reads as 0)
             x = b.to(tl.float8e4nv, bitcast=True)
@@ -117,6 +149,7 @@ def _dequant_kv(b, sb, rope, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: 
             else:
                 val = x.to(tl.float32) * sc
         else:
+            sbi = sb.to(tl.int32) & 0xFF
             # e4m3 -> fp16 by moving bits: sign to bit 15, exponent+mantissa to bits 7..13;
             # the fp16 value is the e4m3 value * 2^-8 (normals and subnormals alike)
             bi = b.to(tl.int32)
@@ -134,7 +167,8 @@ def _load_kv_tile(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_N: tl.cons
                   BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_HW: tl.constexpr,
                   BF16_MATH: tl.constexpr, KDTYPE: tl.constexpr):
     """Gather the latent rows ``rows`` ([BLOCK_N], int64) as a [BLOCK_N, BLOCK_D] tile."""
-    b, sb, rope = _gather_kv_raw(kv_ptr, rows, valid, offs_d, D, BLOCK_D, FP8, KDTYPE)
+    b, sb, rope = _gather_kv_raw(kv_ptr, rows, valid, offs_d, D, BLOCK_D, FP8, KDTYPE,
+                                 FP8_HW == 2)
     return _dequant_kv(b, sb, rope, BLOCK_N, BLOCK_D, FP8, FP8_HW, BF16_MATH, KDTYPE)
 
 
@@ -190,6 +224,32 @@ def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV: tl.constexpr,
 
 
 @triton.jit
+def _attend_tile_t(qt, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV: tl.constexpr,
+                   BLOCK_D: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """:func:`_attend_tile` with the scores transposed (``KQ_T``): S^T [BLOCK_N, heads] =
+    K Q^T puts the tile's rows on the MMA's M side. Triton gives a dot whose result feeds
+    another dot all warps along M; with M = 64 heads and 8 warps both warp groups then
+    compute the same 64 x BLOCK_N scores (the sm_90 TTGIR of the plain loop: warpsPerCTA
+    [8, 1], a duplicated QK^T). With M = BLOCK_N = 128 each warp group has its own 64
+    rows. P^T is transposed back for acc += P V."""
+    s = tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale                 # [N, H]
+    s = tl.where(valid[:, None], s, float("-inf"))
+    m_tile = tl.max(s, axis=0)
+    m_new = tl.maximum(m_i, m_tile)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[:, None]
+    if DV < BLOCK_D:
+        v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
+    else:
+        v = k
+    acc = tl.dot(tl.trans(p.to(KDTYPE)), v, acc, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _sparse_mla_mma_kernel(
     q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr,
     H, topk, n_hblk, num_splits, split_rows, qk_scale,
@@ -198,6 +258,7 @@ def _sparse_mla_mma_kernel(
     FP8: tl.constexpr, FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, LAZY: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False, PIPE_GATHER: tl.constexpr = False,
+    KQ_T: tl.constexpr = False,
 ):
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
@@ -237,14 +298,16 @@ def _sparse_mla_mma_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         idx_c = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
         rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
-                                    idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE)
+                                    idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE,
+                                    FP8_HW == 2)
         for n0 in range(start, end, BLOCK_N):
             valid = idx_c >= 0
             k = _dequant_kv(rb, rs, rr, BLOCK_N, BLOCK_D, FP8, FP8_HW, BF16_MATH, KDTYPE)
             offs_nx = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
             idx_c = tl.load(idx_ptr + bs * topk + offs_nx, mask=offs_nx < end, other=-1)
             rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
-                                        idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE)
+                                        idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE,
+                                    FP8_HW == 2)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
                                          BLOCK_D, LAZY, KDTYPE, DOT_PREC)
     elif PIPE_GATHER:
@@ -264,6 +327,17 @@ def _sparse_mla_mma_kernel(
                               BF16_MATH, KDTYPE)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
                                          BLOCK_D, LAZY, KDTYPE, DOT_PREC)
+    elif KQ_T:
+        qt = tl.trans(q)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
+                              BF16_MATH, KDTYPE)
+            m_i, l_i, acc = _attend_tile_t(qt, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
+                                           BLOCK_D, KDTYPE, DOT_PREC)
     else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -378,7 +452,10 @@ class Config(NamedTuple):
     (None: hardware conversion on sm_89+); ``prefetch``: the PREFETCH software pipeline
     (tile i+1's index and row loads issued before tile i's math, in registers);
     ``pipe_gather``: the PIPE_GATHER loop (indices carried one tile ahead, so Triton's
-    pipeliner multi-buffers the row gather itself, ``num_stages`` deep)."""
+    pipeliner multi-buffers the row gather itself, ``num_stages`` deep); ``fp8_fast``: with
+    the hardware FP8 path, the scales as one 8-byte word a row (pipelinable) and the
+    dequant in fp32 (FP8 KV only; no effect on bf16); ``kq_t``: the KQ_T loop (scores
+    transposed, S^T = K Q^T, so the tile rows are the MMA's M side; ignores ``lazy``)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -388,6 +465,8 @@ class Config(NamedTuple):
     fp8_hw: bool | None = None
     prefetch: bool = False
     pipe_gather: bool = False
+    fp8_fast: bool = False
+    kq_t: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -418,7 +497,12 @@ DEVICE_TABLE: dict = {
 # default at the target shapes (not picked automatically until measured). PREFETCH: in the
 # sm_90 TTGIR of the default loop only the index load becomes a cp.async; the KV row gather
 # is a plain ld.global whose latency every tile pays (bf16 and FP8 alike), so these issue
-# tile i+1's gathers before tile i's MMAs. Compiled for sm_90 (triton 3.9, 8 warps):
+# tile i+1's gathers before tile i's MMAs. (Correction, 2026-11-29: that reading came from
+# compiles without the JIT's 16-byte pointer alignment. With it (triton 3.6, sm_90) the
+# default bf16 N64 s2 loop gathers by 16-byte cp.async into 2 buffers, issued at the end of
+# tile i-1 behind the asynchronous P V MMA, waited (num 0) at the top of tile i; the FP8
+# raw bytes / RoPE by 8-byte cp.async, the FP8 scale bytes synchronously: see fp8fast_*.)
+# Compiled for sm_90 (triton 3.9, 8 warps):
 # 131 KB (N64) / 98 KB (N32) shared memory, the register file full (255 a thread, as the
 # default's), N32 spilling about as little as the default; 16 warps spill KBs (128 regs).
 # PIPE_GATHER (sm_90 TTGIR, triton 3.6, 8 warps, bf16): the gather is a cp.async into
@@ -431,6 +515,27 @@ VARIANTS: dict = {
     "pipe_gather_n32_s3": Config(32, 8, 3, 64, pipe_gather=True),
     "pipe_gather_n32_s4": Config(32, 8, 4, 64, pipe_gather=True),
     "stages5_n32": Config(32, 8, 5, 64),
+    # FP8_FAST (fp8_fast=True; FP8 KV only, bf16 runs the plain kernel): compiled for sm_90
+    # with triton 3.6 and the JIT's 16-byte pointer alignment, the default FP8 loop's scale
+    # bytes are the one load left synchronous inside the loop (1-byte loads are never made
+    # cp.async), so every tile pays a full global-memory latency after the raw-byte wait;
+    # read as one 8-byte word a row they become a cp.async with the rest. Dequant in fp32
+    # (one cvt e4m3x2 -> f16x2, two cvt to f32, two mul.f32, one cvt to bf16x2 per 2
+    # values, no scalar bf16 repacking). N64 s2: 0 spills (default FP8: 96 B), 169 KB shared;
+    # PIPE_GATHER N32 s3: async_wait num 3 (the raw bytes, scales and RoPE of the next
+    # tiles in flight behind the MMAs), 24 B spills, 137 KB.
+    "fp8fast_n64": Config(64, 8, 2, 64, fp8_fast=True),
+    "fp8fast_n32": Config(32, 8, 2, 64, fp8_fast=True),
+    "fp8fast_pg_n32_s3": Config(32, 8, 3, 64, pipe_gather=True, fp8_fast=True),
+    "fp8fast_pg_n32_s4": Config(32, 8, 4, 64, pipe_gather=True, fp8_fast=True),
+    "fp8fast_prefetch_n32": Config(32, 8, 2, 64, prefetch=True, fp8_fast=True),
+    # KQ_T (kq_t=True; bf16 KV only): scores as S^T = K Q^T at BLOCK_N 128, so each of the
+    # two warp groups computes its own 64 tile rows (sm_90, triton 3.6: QK^T 32 wgmma
+    # m64n64k16 a warp group for 128 rows, where the plain loop issues 64 m64n32k16 in
+    # BOTH warp groups for 64 rows: 4x fewer tensor instructions per row). The cost: at
+    # 1 stage (2 need 2 x 128 KB) the gather goes through registers (ld.global.v4, no
+    # cp.async), 492 B spills, 208 KB shared. Untimed.
+    "kqt_n128_s1": Config(128, 8, 1, 64, kq_t=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -562,19 +667,27 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     grid = (n_prog * splits,)
     scan_n = INTERPRETER_BLOCK_N * 2 if interp else SCAN_N
 
+    # FP8_FAST reads each row's scales as an 8-byte word: only from an 8-byte aligned cache
+    fast_ok = fp8 and kv.data_ptr() % 8 == 0
+
     def launch(cfg):
         hw = fp8_hw if fp8_hw is not None else (cfg.fp8_hw if cfg.fp8_hw is not None else hw_default)
         _sparse_mla_mma_kernel[grid](
             q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
             H, topk, n_hblk, splits, split_rows, scale * LOG2E,
             D=D, DV=d_v, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            BLOCK_N=cfg.block_n, V_FROM_K=v_from_k, FP8=fp8, FP8_HW=bool(fp8 and hw),
+            BLOCK_N=cfg.block_n, V_FROM_K=v_from_k, FP8=fp8, FP8_HW=(2 if fast_ok and cfg.fp8_fast else 1) if (fp8 and hw) else 0,
             BF16_MATH=kdtype == tl.bfloat16, LAZY=bool(cfg.lazy), HAS_SINK=sink is not None,
             SPLIT=split, KDTYPE=kdtype, DOT_PREC=dot_prec, SCAN_N=scan_n,
             PREFETCH=bool(cfg.prefetch and v_from_k),
             PIPE_GATHER=bool(cfg.pipe_gather and v_from_k),
+            KQ_T=bool(cfg.kq_t and v_from_k and not (cfg.prefetch or cfg.pipe_gather or fp8)),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    if config is not None and config.kq_t and fp8 and not (interp or dev.type != "cuda"):
+        # a [128, 512] dequantised tile plus the raw bytes does not fit next to Q (sm_90:
+        # 320 KB shared, 600 B spills): KQ_T is for bf16/fp16 KV only
+        raise ValueError("Config.kq_t is for bf16/fp16 KV; the FP8 cache needs kq_t=False")
     if config is None:
         tune_key = _bucket(n_prog * splits) * 32 + _bucket(split_rows)
         config = _pick_config(dev, block_h, (block_h, D, d_v, fp8, split, str(q.dtype), tune_key),

@@ -471,11 +471,68 @@ def _variant_names():
 @pytest.mark.parametrize("B, S, fp8", [(64, 1, False), (8, 2, True), (3, 4, False)])
 def test_gpu_mma_variants(variant, B, S, fp8):
     """Each named variant at real shapes (B 64 splits, B 8 / 3 x 4 too), bf16 and FP8."""
-    from dsv4lab.ops.attention import sparse_mla_decode_with_config
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
     q, kv, idx, snk = make_case(B, S, 64, 512, 8192, 2048 if B > 3 else 777, fp8=fp8,
                                 sink=True, seed=B + S, empty_rows=[(0, 0)], device="cuda")
     idx[-1, -1, 1000:] = -1
+    if fp8 and mma_variants()[variant].kq_t:
+        with pytest.raises(ValueError, match="kq_t"):      # KQ_T is bf16/fp16 KV only
+            sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
+        return
     out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
+@pytest.mark.parametrize("loop", ["plain", "prefetch", "pipe_gather"])
+@pytest.mark.parametrize("lazy, splits", [(False, 0), (True, 3)])
+def test_mma_fp8_fast_matches_reference(loop, lazy, splits):
+    """FP8_FAST (scales read as one 8-byte word a row, dequant in fp32) in each loop: the
+    groups of a row get different scales (each 64-value group multiplied by its own power
+    of two from 2^-20 to 2^4 before packing), so a wrong byte of the scale word shows;
+    -1 slots, an all -1 query, a -1 tail, topk not a multiple of the tile; bf16 tolerance
+    (the reference dequantises the same packed cache)."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    from dsv4lab.quant import unpack_kv_fp8
+    g = torch.Generator().manual_seed(5 + splits)
+    N, D = 90, 512
+    kv = torch.randn(N, D, generator=g)
+    e = torch.randint(-20, 5, (N, 8), generator=g).float()
+    kv = (kv.view(N, 8, 64) * torch.exp2(e)[:, :, None]).view(N, D)
+    packed = pack_kv_fp8(kv)
+    assert len(set(packed[:, 576:583].flatten().tolist())) > 20     # scales really vary
+    q, _, idx, snk = make_case(2, 2, 16, D, N, 75, sink=True, empty_rows=[(0, 1)],
+                               seed=21 + splits)
+    idx[1, 0, 40:] = -1
+    packed = packed.to(q.device)
+    cfg = Config(16, 4, 1, 16, lazy, splits, True, prefetch=loop == "prefetch",
+                 pipe_gather=loop == "pipe_gather", fp8_fast=True)
+    out, lse = sparse_mla_mma(q, packed, idx, snk.float(), D ** -0.5, D, fp8=True, config=cfg)
+    ref, ref_lse = sparse_mla_decode(q, packed, idx, d_v=D, attn_sink=snk, backend="torch")
+    # the values span 2^-20..2^7: compare relative to each query's output scale; lse (up
+    # to a few hundred here) to the bf16 tolerance plus fp32 rounding of its size
+    big = ref.float().abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    torch.testing.assert_close(out.float() / big, ref.float() / big, **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=1e-5)
+    # the scale word really carries per-group scales: dequantised groups differ in size
+    deq = unpack_kv_fp8(packed.cpu()).view(N, 8, 64)[:, :7].abs().amax(-1)
+    assert (deq.amax(-1) / deq.amin(-1).clamp(min=1e-30)).median() > 100
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits, d_v", [(0, 64), (3, 64), (0, 48)])
+def test_mma_kq_t_matches_reference(dtype, splits, d_v):
+    """KQ_T (scores transposed, S^T = K Q^T): -1 slots, an all -1 query, a -1 tail, topk
+    not a multiple of the tile, splits, d_v < D (V masked from the K tile), sink; the
+    dtype's tolerance."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    q, kv, idx, snk = make_case(2, 2, 16, 64, 90, 75, dtype=dtype, sink=True,
+                                empty_rows=[(0, 1)], seed=31 + splits + d_v)
+    idx[1, 0, 40:] = -1
+    cfg = Config(16, 4, 1, 16, False, splits, None, kq_t=True)
+    out, lse = sparse_mla_mma(q, kv, idx, snk.float(), 64 ** -0.5, d_v, config=cfg)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=d_v, attn_sink=snk, backend="torch")
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[dtype], rtol=0)
