@@ -47,6 +47,35 @@ call: prmt/shr/lop3 place each nibble's sign and magnitude in fp16 bit positions
 elements a 32-bit op, then one ``mul.rn.f16x2``), the same bits as the Triton decode below
 (:data:`FASTDEC_ASM`). GPU only; the interpreter runs the Triton decode.
 
+What limits the loop (sm_90 TTGIR/SASS at BM 16, BN 64, BK 256, Triton 3.6, compiled
+offline with the launch's divisibility hints). The packed weights and scales ARE
+software-pipelined (cp.async into 2 shared buffers; the decode reads them straight into the
+dot-operand layout, no layout round trip), but (a) the stride-2 gathers of x (and act) are
+plain synchronous loads whose latency every K-step waits out, and (b) the gate/up kernel
+takes 251-255 registers a thread, so an SM holds only 2 programs (8 warps: 2 a scheduler)
+and at T = 1 only 192 programs exist: the decode's dependent instruction chains are left
+unhidden. (c) The down kernel computed its split-K scale offset as ``(sp * KH_SPLIT + k) //
+GS``, which hides its divisibility: its scale loads became byte loads outside the pipeline
+(255 registers, spills, 80 KB shared); the slice base now goes into the pointers before the
+loop (178 registers, 50 KB), for every config. Experimental switches (off in
+:data:`CONFIGS` until timed) attack (a) and (b):
+
+- ``XPRE``: x is copied once per call as fp16 times 2**-8 with its even and odd columns in
+  two contiguous halves (``[T, 2, H/2]``), and the gate/up epilogue writes act the same way
+  (fp16); the step's x tiles are then plain contiguous fp16 loads feeding the dot, which the
+  pipeliner streams ahead with the weights. Same rounding as the default path.
+- ``SPLIT1``: split-K of the gate/up GEMM over a third grid axis; each slice writes fp32
+  gate and up partials and ``_moe_swiglu_kernel`` sums them and applies the SwiGLU. More
+  programs (resident warps) at decode, at the price of one tiny pass.
+- smaller ``BK`` (128): with XPRE and FASTDEC ~100-130 registers a thread (gate/up 128,
+  down 104 for MXFP4), 4 programs an SM.
+- ``ROWMAX`` (MXFP4): the fp16/fp32 split of the block scales (below) is made once per row
+  and K slice from the row's largest scale byte instead of every step, so the step's dots
+  accumulate in place like NVFP4's and the fp32 rescale of a fresh dot per step goes.
+What remains, per K-step of XPRE + FASTDEC + BK 128 (64 packed bytes a thread): ~590 SASS
+instructions (~9 a byte), ~125 of them register moves that rebuild x's A fragments for
+every HMMA (the kWidth = 4 mixed-precision layout; swap AB trades them for as many PRMTs).
+
 Decoding a nibble without a table. A nibble ``c`` is sign | e1 e0 | m. Put its three
 magnitude bits at bits 9..11 of a 16-bit word and its sign at bit 15, and the word, read
 as an fp16, is exactly ``value(c) * 2**-14`` (codes 0 and 1 land in fp16 subnormals, which
@@ -169,7 +198,8 @@ def _e4m3_bits_to_f16(b):
 
 @triton.jit
 def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
-            BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr, FASTDEC: tl.constexpr = False):
+            BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr, FASTDEC: tl.constexpr = False,
+            smax_row=0, ROWMAX: tl.constexpr = False):
     """One K-step of BN weight rows: ``(w_lo, w_hi, colf)``.
 
     w_tile: pointers [BN, BKH] to packed bytes (BKH contiguous bytes a row: wide vector
@@ -181,7 +211,9 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
     ``2**(s-127)`` does not fit fp16, so the step is split as ``2**(s - smax + 15)`` (fp16,
     applied here; exact while a block is within 2**24 of the largest block of its row in
     this step, flushed below 2**-29 of it) times ``colf = 2**(smax - 128 + 8)`` (fp32, per
-    row, applied to the step's dot; the 2**8 undoes the x prescale). FASTDEC: the decode
+    row, applied to the step's dot; the 2**8 undoes the x prescale). ROWMAX (MXFP4): smax
+    is ``smax_row``, the row's largest scale byte over the whole K slice, so colf is the
+    same every step and the caller applies it once, after the loop. FASTDEC: the decode
     and the scale multiply in packed PTX (:data:`FASTDEC_ASM`), the same bits.
     """
     NSC: tl.constexpr = BKH // GS
@@ -192,7 +224,10 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
         colf = tl.full((BN,), 1.0, tl.float32)
     else:
         si = sb.to(tl.int32)
-        smax = tl.max(si, axis=1)
+        if ROWMAX:
+            smax = smax_row
+        else:
+            smax = tl.max(si, axis=1)
         e = si - smax[:, None] + 15
         mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
         colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
@@ -201,6 +236,18 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
         wlo, whi = _e2m1_scaled_fast(p, mexp)
         return wlo, whi, colf
     return _e2m1_lo(p) * mexp, _e2m1_hi(p) * mexp, colf
+
+
+@triton.jit
+def _row_smax(s_tile, nmask, KS, NSC: tl.constexpr):
+    """ROWMAX: the largest MXFP4 scale byte of each row over KS scale bytes, read with the
+    K loop's own [BN, NSC] scale tile (KS is a multiple of NSC). ``2**(s - smax + 15)`` then
+    stays exact for blocks within 2**24 of the row's largest over the slice (flushed below
+    2**-29 of it: a contribution under 2**-29 of the row's largest block's, per block)."""
+    m = tl.max(tl.load(s_tile, mask=nmask[:, None], other=0).to(tl.int32), axis=1)
+    for k in range(NSC, KS, NSC):
+        m = tl.maximum(m, tl.max(tl.load(s_tile + k, mask=nmask[:, None], other=0).to(tl.int32), axis=1))
+    return m
 
 
 @triton.jit
@@ -267,6 +314,16 @@ def _x_tile(x_rows, k0, mmask):
 
 
 @triton.jit
+def _x_tile_pre(x_rows, k0, xo_off, mmask):
+    """XPRE: the even and odd columns of the step from the pre-split fp16 copy (already
+    times 2**-8): two contiguous [BM, BKH] loads that feed the dot as they are, so Triton's
+    pipeliner can stream them ahead (cp.async) like the weights instead of stalling on them."""
+    xe = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
+    xo = tl.load(x_rows + xo_off + k0, mask=mmask[:, None], other=0.0)
+    return xe, xo
+
+
+@triton.jit
 def _mac(acc, xe, xo, wlo, whi, colf, IS_NV: tl.constexpr, USE_DOT: tl.constexpr,
          DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + colf * (x_even . w_lo^T + x_odd . w_hi^T): [BM, BN].
@@ -318,15 +375,18 @@ def _mac(acc, xe, xo, wlo, whi, colf, IS_NV: tl.constexpr, USE_DOT: tl.constexpr
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         block_expert_ptr, block_start_ptr, block_count_ptr, act_ptr,
-                        I, TOPK, KH,
+                        I, TOPK, KH_SPLIT, KS_SPLIT, XO_OFF,
                         stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_act,
-                        swiglu_limit,
+                        stride_part, swiglu_limit,
                         IS_NV: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
                         USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr,
-                        DECODE32: tl.constexpr = False, FASTDEC: tl.constexpr = False):
+                        DECODE32: tl.constexpr = False, FASTDEC: tl.constexpr = False,
+                        XPRE: tl.constexpr = False, PARTIAL: tl.constexpr = False,
+                        ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
+    sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
@@ -341,7 +401,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     kb = tl.arange(0, BKH)
     ks = tl.arange(0, BKH // GS)
     e64 = e.to(tl.int64)
-    x_rows = x_ptr + tok[:, None] * stride_xt + 2 * kb[None, :]
+    kbase = sp * KH_SPLIT
+    if XPRE:           # x as the pre-split fp16 copy [T, 2, H/2] (odd half at XO_OFF)
+        x_rows = x_ptr + tok[:, None] * stride_xt + kb[None, :]
+    else:
+        x_rows = x_ptr + tok[:, None] * stride_xt + 2 * kb[None, :]
     row_g = e64 * stride_we + offs_n.to(tl.int64) * stride_wn
     wg = w_ptr + row_g[:, None] + kb[None, :]
     wu = wg + I * stride_wn
@@ -360,7 +424,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
         x_rows = x_ptr + tok[:, None] * stride_xt + 8 * kq[None, :]
         wg = (w_ptr + row_g[:, None] + 4 * kq[None, :]).to(tl.pointer_type(tl.int32))
         wu = (w_ptr + (row_g + I * stride_wn)[:, None] + 4 * kq[None, :]).to(tl.pointer_type(tl.int32))
-        for k0 in range(0, KH, BKH):
+        for k1 in range(0, KH_SPLIT, BKH):
+            k0 = kbase + k1
             wd, mexp, cf = _w_words(wg + k0 // 4, sg + k0 // GS, nmask, IS_NV, BN, Q, GS)
             acc_g = _mac_words(acc_g, x_rows, k0, mmask, wd, mexp, cf, IS_NV, USE_DOT,
                                DOT_FP32, SWAP_AB)
@@ -368,12 +433,41 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
             acc_u = _mac_words(acc_u, x_rows, k0, mmask, wd, mexp, cf, IS_NV, USE_DOT,
                                DOT_FP32, SWAP_AB)
     else:
-        for k0 in range(0, KH, BKH):
-            xe, xo = _x_tile(x_rows, k0, mmask)
-            wlo, whi, cf = _w_tile(wg + k0, sg + k0 // GS, nmask, IS_NV, BN, BKH, GS, FASTDEC)
-            acc_g = _mac(acc_g, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
-            wlo, whi, cf = _w_tile(wu + k0, su + k0 // GS, nmask, IS_NV, BN, BKH, GS, FASTDEC)
-            acc_u = _mac(acc_u, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+        # the slice's base folded into the pointers, so that the step offsets k1 and
+        # k1 // GS keep their known divisibility: (sp * KH_SPLIT + k1) // GS would lose it,
+        # and the scale loads would become byte loads that the pipeliner cannot stream
+        wg, wu = wg + kbase, wu + kbase
+        sg, su = sg + sp * KS_SPLIT, su + sp * KS_SPLIT
+        x_rows += kbase if XPRE else 2 * kbase
+        # ROWMAX (MXFP4): one scale split per row for the whole slice, so the dots chain
+        # into the accumulator like NVFP4's (no per-step fp32 rescale of a fresh dot);
+        # CHAIN = IS_NV or ROWMAX comes from the launcher (a constexpr `or` in the kernel
+        # turns into a tensor in Triton 3.6's code generator when both are False)
+        smax_g = tl.zeros((BN,), dtype=tl.int32)
+        smax_u = tl.zeros((BN,), dtype=tl.int32)
+        if ROWMAX:
+            smax_g = _row_smax(sg, nmask, KS_SPLIT, BKH // GS)
+            smax_u = _row_smax(su, nmask, KS_SPLIT, BKH // GS)
+        for k1 in range(0, KH_SPLIT, BKH):
+            if XPRE:
+                xe, xo = _x_tile_pre(x_rows, k1, XO_OFF, mmask)
+            else:
+                xe, xo = _x_tile(x_rows, k1, mmask)
+            wlo, whi, cf = _w_tile(wg + k1, sg + k1 // GS, nmask, IS_NV, BN, BKH, GS, FASTDEC,
+                                   smax_g, ROWMAX)
+            acc_g = _mac(acc_g, xe, xo, wlo, whi, cf, CHAIN, USE_DOT, DOT_FP32, SWAP_AB)
+            wlo, whi, cf = _w_tile(wu + k1, su + k1 // GS, nmask, IS_NV, BN, BKH, GS, FASTDEC,
+                                   smax_u, ROWMAX)
+            acc_u = _mac(acc_u, xe, xo, wlo, whi, cf, CHAIN, USE_DOT, DOT_FP32, SWAP_AB)
+        if ROWMAX:                                # the rows' 2**(smax - 120), once
+            fg = ((smax_g + 7) << 23).to(tl.float32, bitcast=True)
+            fu = ((smax_u + 7) << 23).to(tl.float32, bitcast=True)
+            if SWAP_AB:
+                acc_g = acc_g * fg[:, None]
+                acc_u = acc_u * fu[:, None]
+            else:
+                acc_g = acc_g * fg[None, :]
+                acc_u = acc_u * fu[None, :]
     if SWAP_AB:                                   # back to [BM, BN] once, for the epilogue
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -384,25 +478,71 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     else:
         gate = acc_g
         up = acc_u
+    rows = (start + offs_m).to(tl.int64)
+    omask = mmask[:, None] & nmask[None, :]
+    if PARTIAL:        # split-K: this slice's gate and up, summed by _moe_swiglu_kernel
+        part = act_ptr + sp.to(tl.int64) * stride_part + rows[:, None] * stride_act + offs_n[None, :]
+        tl.store(part, gate, mask=omask)
+        tl.store(part + I, up, mask=omask)
+    else:
+        _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
+                   HAS_LIMIT, XPRE)
+
+
+@triton.jit
+def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
+               HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr):
+    """``act = silu(min(g, L)) * clamp(u, -L, L)`` to row ``rows`` of act: fp32 in natural
+    column order, or (XPRE) as the down projection's pre-split fp16 operand: times 2**-8,
+    even columns in [0, I/2), odd ones in [I/2, I) (the rounding _mac would do anyway)."""
     if HAS_LIMIT:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     act = gate / (1.0 + tl.exp(-gate)) * up
+    if XPRE:
+        col = (offs_n % 2) * (I // 2) + offs_n // 2
+        tl.store(act_ptr + rows[:, None] * stride_act + col[None, :],
+                 (act * 0.00390625).to(tl.float16), mask=omask)
+    else:
+        tl.store(act_ptr + rows[:, None] * stride_act + offs_n[None, :], act, mask=omask)
+
+
+@triton.jit
+def _moe_swiglu_kernel(part_ptr, act_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+                       I, stride_part, stride_prow, stride_act, swiglu_limit,
+                       HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, SPLIT: tl.constexpr,
+                       BM: tl.constexpr, BI: tl.constexpr):
+    """SPLIT1 > 1: sum the gate/up split-K partials [SPLIT, P, 2I] of one block's rows and
+    write act (only rows a block owns were written: pairs with expert -1 are skipped)."""
+    b = tl.program_id(0)
+    if tl.load(block_expert_ptr + b) < 0:
+        return
+    start = tl.load(block_start_ptr + b)
+    offs_m = tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BI + tl.arange(0, BI)
     rows = (start + offs_m).to(tl.int64)
-    tl.store(act_ptr + rows[:, None] * stride_act + offs_n[None, :], act,
-             mask=mmask[:, None] & nmask[None, :])
+    omask = (offs_m < tl.load(block_count_ptr + b))[:, None] & (offs_n < I)[None, :]
+    src = part_ptr + rows[:, None] * stride_prow + offs_n[None, :]
+    gate = tl.zeros((BM, BI), dtype=tl.float32)
+    up = tl.zeros((BM, BI), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        gate += tl.load(src + s * stride_part, mask=omask, other=0.0)
+        up += tl.load(src + s * stride_part + I, mask=omask, other=0.0)
+    _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
+               HAS_LIMIT, XPRE)
 
 
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
                      block_expert_ptr, block_start_ptr, block_count_ptr, ypair_ptr,
-                     H, KH_SPLIT,
+                     H, KH_SPLIT, KS_SPLIT, XO_OFF,
                      stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                      stride_ys,
                      IS_NV: tl.constexpr, DOT_FP32: tl.constexpr, USE_DOT: tl.constexpr,
                      SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False,
-                     FASTDEC: tl.constexpr = False):
+                     FASTDEC: tl.constexpr = False, XPRE: tl.constexpr = False,
+                     ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -420,7 +560,10 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
     ks = tl.arange(0, BKH // GS)
     e64 = e.to(tl.int64)
     kbase = sp * KH_SPLIT
-    a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + 2 * kb[None, :]
+    if XPRE:           # act written pre-split by the gate/up pass (odd half at XO_OFF)
+        a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + kb[None, :]
+    else:
+        a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + 2 * kb[None, :]
     w_rows = w_ptr + (e64 * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None] + kb[None, :]
     s_rows = s_ptr + (e64 * stride_se + offs_n.to(tl.int64) * stride_sn)[:, None] + ks[None, :]
     if SWAP_AB:
@@ -439,12 +582,27 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
             acc = _mac_words(acc, a_rows, k0, mmask, wd, mexp, cf, IS_NV, USE_DOT, DOT_FP32,
                              SWAP_AB)
     else:
+        w_rows += kbase           # the slice's base in the pointers (see the gate/up loop)
+        s_rows += sp * KS_SPLIT
+        a_rows += kbase if XPRE else 2 * kbase
+        # CHAIN = IS_NV or ROWMAX, from the launcher: see the gate/up loop
+        smax = tl.zeros((BN,), dtype=tl.int32)
+        if ROWMAX:
+            smax = _row_smax(s_rows, nmask, KS_SPLIT, BKH // GS)
         for k1 in range(0, KH_SPLIT, BKH):
-            k0 = kbase + k1
-            xe, xo = _x_tile(a_rows, k0, mmask)
-            wlo, whi, cf = _w_tile(w_rows + k0, s_rows + k0 // GS, nmask, IS_NV, BN, BKH, GS,
-                                   FASTDEC)
-            acc = _mac(acc, xe, xo, wlo, whi, cf, IS_NV, USE_DOT, DOT_FP32, SWAP_AB)
+            if XPRE:
+                xe, xo = _x_tile_pre(a_rows, k1, XO_OFF, mmask)
+            else:
+                xe, xo = _x_tile(a_rows, k1, mmask)
+            wlo, whi, cf = _w_tile(w_rows + k1, s_rows + k1 // GS, nmask, IS_NV, BN, BKH, GS,
+                                   FASTDEC, smax, ROWMAX)
+            acc = _mac(acc, xe, xo, wlo, whi, cf, CHAIN, USE_DOT, DOT_FP32, SWAP_AB)
+        if ROWMAX:
+            f = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+            if SWAP_AB:
+                acc = acc * f[:, None]
+            else:
+                acc = acc * f[None, :]
     if SWAP_AB:
         acc = tl.trans(acc)
     wt = tl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(tl.float32)
@@ -478,11 +636,17 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, 
 # (P / min(P, E); 1.0 at T <= 42 with k = 6 and 256 experts, ~1.5 at T = 64, 6 at T = 256,
 # ~96 at T = 4096) wins; each row holds one config per format.
 # BK1/BK2: K elements per step of the gate/up and down loops (BK/2 contiguous bytes a row);
+# SPLIT1 (optional, default 1): split-K slices of the gate/up projection (fp32 partials,
+# summed with the SwiGLU in _moe_swiglu_kernel): more programs when few experts are hit;
 # SPLIT2: split-K slices of the down projection (partials summed by the combine pass);
 # USE_DOT: tensor cores (BM >= 16) or CUDA-core multiply-reduce (tiny BM);
 # SWAP_AB (optional, default False): the dot as ``w . x^T`` (weight rows on the M side);
 # DECODE32 (optional, default False): packed bytes decoded as int32 words (see the docstring);
 # FASTDEC (optional, default False): the byte decode + scale in packed PTX (FASTDEC_ASM);
+# XPRE (optional, default False): x and act as pre-split fp16 operands (contiguous loads
+# the pipeliner streams ahead; see the docstring);
+# ROWMAX (optional, default False; MXFP4 only, ignored for NVFP4): one fp16/fp32 scale split
+# per row and K slice instead of per K-step, so the MXFP4 dots chain like NVFP4's;
 # GPU only: switched off under the interpreter, where the reference decode runs.
 # scripts/tune_moe.py sweeps these on a GPU; paste its winners here.
 #
@@ -505,8 +669,8 @@ CONFIGS = [
                             num_warps=4, num_stages=3) for f in ("mxfp4", "nvfp4")}),
 ]
 
-CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT2", "USE_DOT", "SWAP_AB", "DECODE32",
-               "FASTDEC", "num_warps", "num_stages")
+CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
+               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "num_warps", "num_stages")
 
 
 def rows_per_expert(T: int, topk: int, E: int) -> float:
@@ -579,6 +743,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     GS = 8 if is_nv else 16                      # packed bytes per scale
     BK1, BK2 = _pick_bk(H, cfg["BK1"]), _pick_bk(I, cfg["BK2"])
     split = _pick_split(I // BK2, int(cfg["SPLIT2"]))
+    split1 = _pick_split(H // BK1, int(cfg.get("SPLIT1", 1)))
     # DECODE32 (experimental): words of 4 packed bytes; the dot's K slices are BK/8 long, so
     # with the tensor cores it needs BK >= 128 (K = 16 slices); smaller K falls back to bytes.
     dec32 = bool(cfg.get("DECODE32", False))
@@ -590,32 +755,56 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if fast and dec32:
         raise ValueError("config: FASTDEC and DECODE32 are alternative decodes; set one")
     fast = fast and not _interpreting()
+    xpre = bool(cfg.get("XPRE", False))
+    if xpre and dec32:
+        raise ValueError("config: XPRE (pre-split x) and DECODE32 (x in word order) exclude each other")
+    rowmax = bool(cfg.get("ROWMAX", False))
+    if rowmax and dec32:
+        raise ValueError("config: ROWMAX applies to the byte decode, not DECODE32")
+    rowmax = rowmax and not is_nv
     if dec1 and w13.data_ptr() % 16:             # an offset view: realign for word loads
         w13 = w13.clone()
     if dec2 and w2.data_ptr() % 16:
         w2 = w2.clone()
     sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, BM)
     nbm = block_expert.numel()
-    act = torch.empty(P, I, dtype=torch.float32, device=dev)
+    # XPRE: x once as fp16 times 2**-8 with its even and odd columns in two contiguous
+    # halves ([T, 2, H/2]; the rounding _x_tile + _mac apply anyway); act written alike
+    if xpre:
+        xk = (x.float() * X_PRESCALE).to(torch.float16).view(T, H // 2, 2).transpose(1, 2).contiguous()
+        act = torch.empty(P, I, dtype=torch.float16, device=dev)
+    else:
+        xk = x
+        act = torch.empty(P, I, dtype=torch.float32, device=dev)
+    part = torch.empty(split1, P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
     ypair = torch.empty(split, P, H, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     dot_fp32 = _interpreting()
     BN1, BN2 = cfg["BN1"], cfg["BN2"]
-    _moe_gate_up_kernel[(nbm, triton.cdiv(I, BN1))](
-        x, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, act,
-        I, topk, H // 2,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        act.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0,
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    _moe_gate_up_kernel[(nbm, triton.cdiv(I, BN1), split1)](
+        xk, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
+        I, topk, H // 2 // split1, H // 2 // split1 // GS, H // 2,
+        xk.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        part.stride(-2), part.stride(0) if split1 > 1 else 0, limit,
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
         SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1, FASTDEC=fast,
+        XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split1 > 1:
+        BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
+        _moe_swiglu_kernel[(nbm, triton.cdiv(I, BI))](
+            part, act, block_expert, block_start, block_count,
+            I, part.stride(0), part.stride(1), act.stride(0), limit,
+            HAS_LIMIT=swiglu_limit is not None, XPRE=xpre, SPLIT=split1, BM=BM, BI=BI,
+            num_warps=4)
     _moe_down_kernel[(nbm, triton.cdiv(H, BN2), split)](
         act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
-        H, I // 2 // split,
+        H, I // 2 // split, I // 2 // split // GS, I // 2,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         ypair.stride(1), ypair.stride(0),
         IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
-        DECODE32=dec2, FASTDEC=fast,
+        DECODE32=dec2, FASTDEC=fast, XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, BH))](

@@ -44,13 +44,22 @@ def _c(**kw):
 
 # priority order: the most informative first (the budget may cut the tail)
 CANDIDATES = [
-    # experimental FASTDEC (decode + block scale in packed inline PTX; see kernels/moe.py)
+    # XPRE (pre-split fp16 x/act, pipelined), BK 128 (half the registers), SPLIT1 (split-K of
+    # gate/up), ROWMAX (MXFP4 dots chained), with FASTDEC: see "What limits the loop" in
+    # kernels/moe.py (untimed so far)
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=4, SPLIT2=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=4, SPLIT2=4, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=32, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(FASTDEC=True, XPRE=True, BN1=128, BN2=128, BK1=64, BK2=64, SPLIT1=2, SPLIT2=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, num_warps=8),
+    _c(XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    # FASTDEC alone (decode + block scale in packed inline PTX)
     _c(FASTDEC=True, BN1=64, BN2=64),
-    _c(FASTDEC=True, SWAP_AB=True, BN1=64, BN2=64),
-    # experimental swap AB (weights on the dot's M side; see kernels/moe.py), untimed so far
-    _c(SWAP_AB=True, BN1=64, BN2=64),
-    _c(SWAP_AB=True, BN1=128, BN2=128),
-    _c(SWAP_AB=True, BN1=128, BN2=128, num_warps=8),
     # the 2026-11-29 sweep, in its order (#2 BN64/64 and #6 BN32/64 S2 won: now CONFIGS)
     _c(),
     _c(BN1=16, BN2=16),
@@ -74,9 +83,9 @@ CANDIDATES = [
 def short(cfg: dict) -> str:
     d = dict(cfg)
     kind = ("swapAB" if d.pop("SWAP_AB", False) else "dot") if d.pop("USE_DOT") else "fma"
-    flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC") if d.get(k))
+    flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC", "XPRE", "ROWMAX") if d.get(k))
     return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
-            f"S{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}")
+            f"S{d.get('SPLIT1', 1)}/{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}")
 
 
 def main() -> int:
@@ -91,7 +100,8 @@ def main() -> int:
         tokens = (1, 4)
         cands = [_c(BK1=64, BK2=64), _c(USE_DOT=False, BM=1, BK1=32, BK2=32), _c(BN2=16, SPLIT2=2, BK2=32),
                  _c(SWAP_AB=True, BN1=16, BN2=16, BK1=32, BK2=32),
-                 _c(FASTDEC=True, BK1=64, BK2=64)]     # the interpreter: reference decode
+                 _c(FASTDEC=True, BK1=64, BK2=64),     # the interpreter: reference decode
+                 _c(FASTDEC=True, XPRE=True, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, ROWMAX=True)]
         gen_cpu = torch.Generator().manual_seed(0)
         experts = {f: _quantised_experts(shape["E"], shape["H"], shape["I"], f, dev, gen_cpu)
                    for f in ("mxfp4", "nvfp4")}

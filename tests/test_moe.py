@@ -220,7 +220,19 @@ VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=3
             dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT2=2),
             # swap AB: weights on the dot's M side (acc [BN, BM], transposed once at the end)
             dict(BM=16, BN1=16, BN2=32, BK1=64, BK2=32, SWAP_AB=True),
-            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT2=2, SWAP_AB=True)]
+            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT2=2, SWAP_AB=True),
+            # XPRE (pre-split fp16 x and act) and SPLIT1 (split-K of gate/up + SwiGLU pass),
+            # alone and together with the other switches (FASTDEC: the byte decode here)
+            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, XPRE=True),
+            dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2),
+            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT1=2, XPRE=True, SWAP_AB=True,
+                 FASTDEC=True),
+            dict(BM=1, USE_DOT=False, BK1=32, BK2=32, SPLIT1=2, XPRE=True),
+            # ROWMAX (MXFP4: one scale split per row and slice; scales here span 2**-20)
+            dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
+                 ROWMAX=True),
+            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, ROWMAX=True, SWAP_AB=True),
+            dict(BM=2, USE_DOT=False, BK1=32, BK2=32, ROWMAX=True)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -232,11 +244,11 @@ def test_triton_variants_mixed_scales(fmt, cfg):
 
 
 # DECODE32: int32 words of 4 packed bytes, K permuted alike for x and w, four K = BK/8 dot
-# slices a step (tensor cores need BK >= 128, hence the larger H and I); + the CUDA-core path
-VARIANTS32 = [dict(BM=16, BN1=16, BN2=16, BK1=128, BK2=128, DECODE32=True),
-              dict(BM=16, BN1=32, BN2=16, BK1=256, BK2=128, DECODE32=True, SWAP_AB=True),
-              dict(BM=16, BN1=16, BN2=32, BK1=128, BK2=64, SPLIT2=2, DECODE32=True),
-              dict(BM=1, USE_DOT=False, BK1=32, BK2=64, DECODE32=True)]
+# slices a step (tensor cores need BK >= 128, hence the larger H and I)
+# (DECODE32 was timed slower than the default on the H200: two CPU cases keep its code
+# honest without slowing the suite; the GPU cases stay in test_gpu_swap_ab_variant.)
+VARIANTS32 = [dict(BM=16, BN1=32, BN2=16, BK1=256, BK2=128, DECODE32=True, SWAP_AB=True),
+              dict(BM=16, BN1=16, BN2=32, BK1=128, BK2=64, SPLIT2=2, DECODE32=True)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -424,6 +436,10 @@ def test_triton_bad_config():
         kmoe.fused_moe(*args, config=dict(BLOCK=4))
     with pytest.raises(ValueError, match="SWAP_AB needs USE_DOT"):
         kmoe.fused_moe(*args, config=dict(BM=1, USE_DOT=False, SWAP_AB=True))
+    with pytest.raises(ValueError, match="XPRE .* and DECODE32"):
+        kmoe.fused_moe(*args, config=dict(XPRE=True, DECODE32=True))
+    with pytest.raises(ValueError, match="ROWMAX applies to the byte decode"):
+        kmoe.fused_moe(*args, config=dict(ROWMAX=True, DECODE32=True))
 
 
 def test_config_table_per_format():
@@ -438,6 +454,8 @@ def test_config_table_per_format():
             assert set(cfg) <= set(kmoe.CONFIG_KEYS) and not cfg.get("SWAP_AB", False)
             assert not cfg.get("DECODE32", False)          # untimed: a bench variant only
             assert not cfg.get("FASTDEC", False)           # untimed: a bench variant only
+            assert not cfg.get("XPRE", False) and cfg.get("SPLIT1", 1) == 1   # untimed too
+            assert not cfg.get("ROWMAX", False)
             assert cfg["BM"] >= 16 or not cfg["USE_DOT"]
     for T in (1, 64, 256, 4096):
         r = kmoe.rows_per_expert(T, 6, 256)
@@ -603,6 +621,46 @@ def test_gpu_fastdec_variant(fmt, T):
         base = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                               fmt=fmt, swiglu_limit=10.0, config=dict(cfg, FASTDEC=False), **kw)
         assert_close(out, base.float(), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_bench_variants(fmt, T):
+    # every named variant `dsv4lab bench moe` times (FASTDEC, XPRE, BK 128, SPLIT1/SPLIT2,
+    # ROWMAX) at Flash's sizes, 32 experts, against the fp32 reference; plus XPRE, SPLIT1 and
+    # ROWMAX on the byte decode, and the last variant inside a CUDA graph replayed on new
+    # routing
+    from dsv4lab.benchmarks.moe import VARIANTS
+    from dsv4lab.kernels import moe as kmoe
+    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=31 + T)
+
+    def run(cfg, ids=ids, w=w):
+        return kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                              fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
+
+    extra = [dict(BN1=64, BN2=64, XPRE=True), dict(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2),
+             dict(BN1=64, BN2=64, ROWMAX=True),
+             dict(BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, XPRE=True, SWAP_AB=True,
+                  ROWMAX=True, FASTDEC=True)]
+    for cfg in [c for _, c in VARIANTS] + extra:
+        assert_close(run(cfg), ref, torch.bfloat16)
+    cfg = dict(VARIANTS[-1][1])
+    run(cfg)
+    torch.cuda.synchronize()
+    ids2, w2 = ids.clone(), w.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(cfg, ids2, w2)
+    new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
+    new_ids[-1, 0] = -1
+    ids2.copy_(new_ids)
+    w2.copy_(new_w)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref2 = run_moe(x.float(), ex, ids2, w2, fmt, 10.0, "torch")
+    assert_close(out, ref2, torch.bfloat16)
 
 
 @gpu

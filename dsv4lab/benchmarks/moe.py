@@ -91,20 +91,27 @@ def print_table(rows: list[dict]) -> None:
 
 # Experimental layouts of kernels/moe.py, timed beside the default table (at the target
 # token counts only, to keep the bench short) so their rows are on record before one becomes
-# a default: swap AB (weights on the dot's M side: wgmma on sm_90) and DECODE32 (packed
-# bytes read as int32 words and decoded two nibbles per 32-bit op: ~15-25% fewer
-# instructions a K-step in the sm_90 PTX; the decode loop is instruction-bound) and FASTDEC
-# (the decode and the block scale in packed 32-bit inline PTX: the gate/up K-loop drops from
-# ~2170 to ~1430 SASS instructions at BN 64, BK 256 on sm_90, i.e. ~17 -> ~11 a packed byte).
-# ``triton_fastdec`` keeps the default table's tiles (kernel_config only adds FASTDEC).
-SWAP_AB_VARIANTS = [
+# a default (see "What limits the loop" in kernels/moe.py's docstring): FASTDEC (the decode
+# and block scale in packed inline PTX, ~11 SASS instructions a packed byte instead of ~17),
+# XPRE (x and act as pre-split fp16 operands: contiguous loads the pipeliner streams ahead
+# instead of a synchronous stride-2 gather every K-step), BK 128 (~100-130 registers a thread
+# instead of ~250: 4 programs an SM instead of 2), SPLIT1/SPLIT2 (split-K of the gate/up and
+# down GEMMs: more programs when only 6 experts are hit), ROWMAX (MXFP4: one scale split per
+# row and slice, so the dots chain like NVFP4's; no effect on the NVFP4 rows).
+# ``triton_fastdec`` keeps the default table's tiles (kernel_config only adds FASTDEC); the
+# others set BN 64/64. (The swap-AB and DECODE32 rows timed on 2026-11-29 were slower than
+# the default: dropped.)
+_FX = dict(FASTDEC=True, XPRE=True, BN1=64, BN2=64)
+_FX128 = dict(_FX, BK1=128, BK2=128)
+VARIANTS = [
     ("triton_fastdec", dict(FASTDEC=True)),
-    ("triton_fastdec_sw64", dict(FASTDEC=True, SWAP_AB=True, BN1=64, BN2=64)),
-    ("triton_swapAB64", dict(SWAP_AB=True, BN1=64, BN2=64)),
-    ("triton_dec32", dict(DECODE32=True, BN1=64, BN2=64)),
-    ("triton_dec32_sw64", dict(DECODE32=True, SWAP_AB=True, BN1=64, BN2=64)),
-    ("triton_dec32_w2", dict(DECODE32=True, BN1=64, BN2=64, num_warps=2)),
+    ("triton_fd_xpre", dict(_FX, BK1=256, BK2=256, SPLIT1=1, SPLIT2=1)),
+    ("triton_fd_xpre_bk128", dict(_FX128, SPLIT1=1, SPLIT2=1)),
+    ("triton_fd_xpre_bk128_s2", dict(_FX128, SPLIT1=2, SPLIT2=2)),
+    ("triton_fd_xpre_bk128_s4", dict(_FX128, SPLIT1=4, SPLIT2=4)),
+    ("triton_fd_xpre_rm_bk128_s2", dict(_FX128, SPLIT1=2, SPLIT2=2, ROWMAX=True)),
 ]
+SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
 
 
@@ -137,7 +144,7 @@ def bench_moe(smoke: bool) -> list[dict]:
                 return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
                                  swiglu_limit=SWIGLU_LIMIT, backend="triton", **ex["kw"])
             rows.append(_row(T, "triton", fmt, hit, pairs, shape, bench.time_graph(run), fmt))
-            for name, cfg in ([] if smoke or T not in VARIANT_TOKENS else SWAP_AB_VARIANTS):
+            for name, cfg in ([] if smoke or T not in VARIANT_TOKENS else VARIANTS):
                 def run_variant(ex=ex, fmt=fmt, cfg=cfg):
                     return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                                      fmt=fmt, swiglu_limit=SWIGLU_LIMIT, backend="triton",
