@@ -61,6 +61,16 @@ compute the same 64 x BLOCK_N scores. ``KQ_T`` computes S^T = K Q^T [BLOCK_N, he
 BLOCK_N = 128 instead, so each warp group owns 64 tile rows, and transposes P back for
 the P V dot.
 
+Scores split between the warp groups (``SPLIT_QK``, a variant; bf16 and FP8). The same
+duplication in the plain loop, without transposing: Triton picks all warps along M only
+for a dot whose result reaches another dot, and finds that dot by following the uses of
+the result. With the softmax written in both arms of an always-taken branch (``n0 <
+end``), the uses stop at the branch's yield, so the scores' dot gets warps [4, 2]: each
+warp group computes half of the tile's columns (the row max and sum then cross the warp
+groups through shared memory, and P goes through shared memory to the P V dot, whose
+warp groups each own half of d_v as before). Both arms are the same code, so the result
+does not depend on the branch.
+
 Online softmax, lazily (``LAZY``). Rescaling the [heads, d_v] fp32 accumulator costs as
 many multiplies per tile as the tile has outputs; with ``LAZY`` the running max only moves
 (and the accumulator is only rescaled) when some head's max grew by more than 2^8, so
@@ -189,13 +199,43 @@ def _trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax on one tile of base-2 scores: (new max, new sum, alpha, p)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), alpha, p
+
+
+@triton.jit
 def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV: tl.constexpr,
                  BLOCK_D: tl.constexpr, LAZY: tl.constexpr, KDTYPE: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
+                 DOT_PREC: tl.constexpr, SPLIT_QK: tl.constexpr = False, live=True):
     """One tile of the online softmax: S = Q K^T, running max/sum, acc += P V with
-    V = K[:, :DV] (the same tile feeds both MMAs). Returns (m_i, l_i, acc)."""
+    V = K[:, :DV] (the same tile feeds both MMAs). Returns (m_i, l_i, acc).
+
+    ``SPLIT_QK`` (``live`` a runtime condition that is always true, e.g. n0 < end): the
+    softmax sits in both arms of a branch on ``live``. Triton lays out a dot whose result
+    reaches another dot with all warps along M (at M = 64 heads and 8 warps both warp
+    groups then compute the same scores); it looks for that dot by following the uses of
+    the result, which stop at the branch's yield, so the scores' dot gets warps [4, 2]:
+    each warp group computes half the tile's columns (the softmax reductions then cross
+    the warp groups through shared memory). Both arms are the same code: the answer does
+    not depend on ``live``."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
+    if SPLIT_QK:
+        if live:
+            m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        else:
+            m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
+        acc = acc * alpha[:, None]
+        if DV < BLOCK_D:
+            v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
+        else:
+            v = k
+        return m_i, l_i, tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
     m_tile = tl.max(s, axis=1)
     if LAZY:
         grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
@@ -258,7 +298,7 @@ def _sparse_mla_mma_kernel(
     FP8: tl.constexpr, FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, LAZY: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False, PIPE_GATHER: tl.constexpr = False,
-    KQ_T: tl.constexpr = False,
+    KQ_T: tl.constexpr = False, SPLIT_QK: tl.constexpr = False,
 ):
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
@@ -326,7 +366,18 @@ def _sparse_mla_mma_kernel(
             k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
                               BF16_MATH, KDTYPE)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
-                                         BLOCK_D, LAZY, KDTYPE, DOT_PREC)
+                                         BLOCK_D, LAZY, KDTYPE, DOT_PREC, SPLIT_QK, n0 < end)
+    elif SPLIT_QK:
+        # the default loop with the scores' dot split between the warp groups
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+            valid = idx >= 0
+            rows = tl.where(valid, idx, 0).to(tl.int64)
+            k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
+                              BF16_MATH, KDTYPE)
+            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
+                                         BLOCK_D, LAZY, KDTYPE, DOT_PREC, True, n0 < end)
     elif KQ_T:
         qt = tl.trans(q)
         for n0 in range(start, end, BLOCK_N):
@@ -455,7 +506,9 @@ class Config(NamedTuple):
     pipeliner multi-buffers the row gather itself, ``num_stages`` deep); ``fp8_fast``: with
     the hardware FP8 path, the scales as one 8-byte word a row (pipelinable) and the
     dequant in fp32 (FP8 KV only; no effect on bf16); ``kq_t``: the KQ_T loop (scores
-    transposed, S^T = K Q^T, so the tile rows are the MMA's M side; ignores ``lazy``)."""
+    transposed, S^T = K Q^T, so the tile rows are the MMA's M side; ignores ``lazy``);
+    ``split_qk``: SPLIT_QK (the scores' dot split by columns between the warp groups instead
+    of computed by both; the plain or PIPE_GATHER loop, bf16 and FP8; ignores ``lazy``)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -467,6 +520,7 @@ class Config(NamedTuple):
     pipe_gather: bool = False
     fp8_fast: bool = False
     kq_t: bool = False
+    split_qk: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -487,8 +541,10 @@ DEVICE_TABLE: dict = {
         ("bf16", "mid"): Config(64, 8, 2, 64, False, 0, None),    # 87.6 us at B64 S1 T2048 (B32: 54.8 us)
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
-        ("fp8", "large"): Config(64, 8, 2, 64, False, 0, None),   # 564.9 us at B128 S2 T2048
-        ("fp8", "mid"): Config(32, 8, 2, 64, False, 0, None),     # 197.0 us at B64 S1 T2048
+        # fp8 large/mid: variant fp8fast_pg_n32_s4 (1b5dd53 round): 424.7 us at B128 S2 T2048
+        # (was 571.3 with Config(64, 8, 2)), 122.6 us at B64 S1 T2048 (was 202.5 with N32)
+        ("fp8", "large"): Config(32, 8, 4, 64, pipe_gather=True, fp8_fast=True),
+        ("fp8", "mid"): Config(32, 8, 4, 64, pipe_gather=True, fp8_fast=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None),    # 17.6 us at B1 S1 T640
     },
 }
@@ -536,6 +592,36 @@ VARIANTS: dict = {
     # 1 stage (2 need 2 x 128 KB) the gather goes through registers (ld.global.v4, no
     # cp.async), 492 B spills, 208 KB shared. Untimed.
     "kqt_n128_s1": Config(128, 8, 1, 64, kq_t=True),
+    # SPLIT_QK (split_qk=True; bf16 and FP8): the softmax in both arms of an always-taken
+    # branch hides the P V dot from Triton's chained-dot test, so the scores' dot gets
+    # warps [4, 2] (each warp group half the tile's columns) instead of [8, 1] (both warp
+    # groups the whole tile). sm_90, triton 3.6, 8 warps, compiled offline (untimed):
+    # bf16 N64 s2: 36 wgmma in the PTX (default: 68), the gather still a 16-byte cp.async
+    # into 2 buffers (async_wait num 0), 44 B spills unsplit / 0 split-KV (default: 0 / 0),
+    # 205 KB shared; bf16 PIPE_GATHER N32 s3 / s4: 32 B / 0 spills, 168 / 201 KB,
+    # async_wait num 1 / 2. FP8_FAST N64 s2: 0 spills, 181 KB; FP8_FAST PIPE_GATHER N32
+    # s3 / s4: 16 B / 0 spills (fp8fast_pg_n32_s4: 36 B / 4 B), 144 / 165 KB, async_wait
+    # num 3 / 6. Without FP8_FAST (FP8 KV, tests only): 52-64 B spills.
+    "sqk_n64": Config(64, 8, 2, 64, split_qk=True),
+    "sqk_pg_n32_s3": Config(32, 8, 3, 64, pipe_gather=True, split_qk=True),
+    "sqk_pg_n32_s4": Config(32, 8, 4, 64, pipe_gather=True, split_qk=True),
+    "fp8fast_sqk_n64": Config(64, 8, 2, 64, fp8_fast=True, split_qk=True),
+    "fp8fast_sqk_pg_n32_s3": Config(32, 8, 3, 64, pipe_gather=True, fp8_fast=True,
+                                    split_qk=True),
+    "fp8fast_sqk_pg_n32_s4": Config(32, 8, 4, 64, pipe_gather=True, fp8_fast=True,
+                                    split_qk=True),
+    # FP8_FAST PIPE_GATHER at N64 s3 (two 64-row tiles of raw bytes in flight, async_wait
+    # num 3): 222 KB shared (fits the 227 KB of sm_90; bf16 N64 s3 needs 262 KB), 0 spills
+    # (4 B when split-KV)
+    "fp8fast_sqk_pg_n64_s3": Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True,
+                                    split_qk=True),
+    # 16 warps (128 registers a thread, the [64, 512] accumulator 64 of them): the FP8
+    # dequant spread over twice the threads and warps; SPLIT_QK gives the scores' dot
+    # warps [4, 4] (m64n8k16 at N32: each warp group reads all of Q from shared memory for
+    # a quarter of the columns), P V [4, 4]. 0 spills (4 B split-KV), 165 KB, async_wait
+    # num 6. (bf16 at 16 warps: the same layouts, N32 s3 0 spills; not a row.)
+    "fp8fast_sqk_pg_n32_s4_w16": Config(32, 16, 4, 64, pipe_gather=True, fp8_fast=True,
+                                        split_qk=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -682,6 +768,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             PREFETCH=bool(cfg.prefetch and v_from_k),
             PIPE_GATHER=bool(cfg.pipe_gather and v_from_k),
             KQ_T=bool(cfg.kq_t and v_from_k and not (cfg.prefetch or cfg.pipe_gather or fp8)),
+            SPLIT_QK=bool(cfg.split_qk and v_from_k and not (cfg.prefetch or cfg.kq_t)),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is not None and config.kq_t and fp8 and not (interp or dev.type != "cuda"):

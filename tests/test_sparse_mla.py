@@ -472,6 +472,10 @@ def _variant_names():
 def test_gpu_mma_variants(variant, B, S, fp8):
     """Each named variant at real shapes (B 64 splits, B 8 / 3 x 4 too), bf16 and FP8."""
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    if not fp8 and mma_variants()[variant].fp8_fast:
+        # an FP8 KV configuration (fp8_fast has no effect on bf16 KV, and fp8fast_*_n64_s3's
+        # three 64-row stages fit in shared memory only as FP8 bytes): FP8 cases only
+        pytest.skip("fp8_fast variants are FP8 KV configurations")
     q, kv, idx, snk = make_case(B, S, 64, 512, 8192, 2048 if B > 3 else 777, fp8=fp8,
                                 sink=True, seed=B + S, empty_rows=[(0, 0)], device="cuda")
     idx[-1, -1, 1000:] = -1
@@ -480,6 +484,29 @@ def test_gpu_mma_variants(variant, B, S, fp8):
             sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
         return
     out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
+def _unsplit_variant_cases():
+    """The benchmark's variant rows (variant, FP8 KV?): timed unsplit at (B 128, S_q 2)."""
+    from dsv4lab.benchmarks.sparse_mla import VARIANT_ROWS
+    return [(name, kv == "fp8") for name, kv in VARIANT_ROWS]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant, fp8", _unsplit_variant_cases())
+def test_gpu_mma_variants_unsplit(variant, fp8):
+    """The benchmark's variant rows without split-KV, in their KV format (the (B 128, S_q 2)
+    target shape runs unsplit; B 26 x S_q 4 here): -1 slots, an all -1 query, a -1 tail."""
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    q, kv, idx, snk = make_case(26, 4, 64, 512, 8192, 2048, fp8=fp8, sink=True, seed=7,
+                                empty_rows=[(0, 0)], device="cuda")
+    idx[-1, -1, 1000:] = -1
+    cfg = mma_variants()[variant]._replace(splits=1)            # never split
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
@@ -536,3 +563,29 @@ def test_mma_kq_t_matches_reference(dtype, splits, d_v):
     assert out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("loop", ["plain", "pipe_gather"])
+@pytest.mark.parametrize("dtype, splits, d_v, lazy", [(torch.bfloat16, 0, 64, False),
+                                                      (torch.float32, 3, 48, True),
+                                                      ("fp8", 3, 512, False)])
+def test_mma_split_qk_matches_reference(loop, dtype, splits, d_v, lazy):
+    """SPLIT_QK (the softmax in both arms of an always-taken branch, so the scores' dot is
+    split between the warp groups on sm_90): plain and PIPE_GATHER loops, bf16, fp32 with
+    d_v < D and ``lazy`` (ignored by SPLIT_QK), FP8 with FP8_FAST; -1 slots, an all -1
+    query, a -1 tail, topk not a multiple of the tile, splits, sink; the dtype's
+    tolerance (FP8: bf16, the reference dequantises the same packed cache)."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    fp8 = dtype == "fp8"
+    D = 512 if fp8 else 64
+    q, kv, idx, snk = make_case(2, 2, 16, D, 90, 75, dtype=torch.bfloat16 if fp8 else dtype,
+                                fp8=fp8, sink=True, empty_rows=[(0, 1)], seed=41 + splits)
+    idx[1, 0, 40:] = -1
+    cfg = Config(16, 4, 2 if loop == "plain" else 3, 16, lazy, splits, True if fp8 else None,
+                 pipe_gather=loop == "pipe_gather", fp8_fast=fp8, split_qk=True)
+    out, lse = sparse_mla_mma(q, kv, idx, snk.float(), D ** -0.5, d_v, fp8=fp8, config=cfg)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=d_v, attn_sink=snk, backend="torch")
+    tol = torch.bfloat16 if fp8 else dtype
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[tol])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[tol], rtol=0)

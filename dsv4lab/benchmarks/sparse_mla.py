@@ -106,13 +106,15 @@ def _time(fn_one, sets, warmup_ms, rep_ms):
 
 
 # (variant, kv format) rows timed at the target shapes; keys of sparse_mla_mma.VARIANTS.
-# Timed on the H200 on 2026-11-29 and dropped from the rows (slower than the default at
-# both shapes): prefetch_n32 bf16, prefetch_n64, pipe_gather_n32_s3/s4, stages5_n32.
-# prefetch_n32 fp8 stays as the reference (the best FP8 row at B64 before FP8_FAST).
-VARIANT_ROWS = (("prefetch_n32", "fp8"),
-                ("fp8fast_n64", "fp8"), ("fp8fast_n32", "fp8"), ("fp8fast_pg_n32_s3", "fp8"),
-                ("fp8fast_pg_n32_s4", "fp8"), ("fp8fast_prefetch_n32", "fp8"),
-                ("kqt_n128_s1", "bf16"))
+# Timed on the H200 on 2026-11-29 and dropped from the rows (slower than the default or
+# than fp8fast_pg_n32_s4 at both shapes): prefetch_n32, prefetch_n64, pipe_gather_n32_s3/s4,
+# stages5_n32, fp8fast_n32, fp8fast_prefetch_n32, kqt_n128_s1. fp8fast_n64 and
+# fp8fast_pg_n32_s3/s4 stay as the references for the SPLIT_QK rows (sqk_*).
+VARIANT_ROWS = (("sqk_n64", "bf16"), ("sqk_pg_n32_s3", "bf16"), ("sqk_pg_n32_s4", "bf16"),
+                ("fp8fast_n64", "fp8"), ("fp8fast_pg_n32_s3", "fp8"), ("fp8fast_pg_n32_s4", "fp8"),
+                ("fp8fast_sqk_n64", "fp8"), ("fp8fast_sqk_pg_n32_s3", "fp8"),
+                ("fp8fast_sqk_pg_n32_s4", "fp8"), ("fp8fast_sqk_pg_n64_s3", "fp8"),
+                ("fp8fast_sqk_pg_n32_s4_w16", "fp8"))
 VARIANT_NAMES = tuple(dict.fromkeys(v for v, _ in VARIANT_ROWS))
 
 
@@ -120,8 +122,8 @@ def plan(smoke: bool) -> dict:
     """Which (backend, kv, B, S_q, topk) points the benchmark measures."""
     if smoke:
         return {"heads": 16, "dim": 64, "context": 64, "min_rows": 0, "warmup_ms": 1, "rep_ms": 1,
-                "variant_rep_ms": 1, "variants": [("prefetch_n32", "bf16", 1, 1, 40),
-                                                  ("fp8fast_n32", "fp8", 1, 1, 24)],
+                "variant_rep_ms": 1, "variants": [("sqk_pg_n32_s3", "bf16", 1, 1, 40),
+                                                  ("fp8fast_sqk_n64", "fp8", 1, 1, 24)],
                 "mma": [(1, 1, 40), (2, 2, 40)], "mma_fp8": [(1, 1, 24)],
                 "simt": [(1, 1, 40)], "torch_user": [(1, 1, 40)], "torch": [(1, 1, 40)]}
     sweep = [(B, S, T) for B in (1, 8, 32, 64, 128) for T in (640, 2048) for S in (1, 2, 4)]
