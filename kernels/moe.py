@@ -22,7 +22,7 @@ The inner product of a step is either a tensor-core ``tl.dot`` (M padded to BM >
 for blocks of 1..4 rows, a broadcast multiply-and-reduce on the CUDA cores (``USE_DOT``).
 Tile sizes live in one table, :data:`CONFIGS`, swept by scripts/tune_moe.py.
 
-Swap AB (``SWAP_AB``, an experimental variant, off in :data:`CONFIGS` until timed). At
+Swap AB (``SWAP_AB``, an experimental variant, off in :data:`CONFIGS`: timed slower). At
 decode the dot is [16 padded tokens] x [BN weight rows]: the decoded weights are the B
 operand, which Hopper's wgmma (M >= 64 a warpgroup) and the Ampere mma alike take from
 shared memory, so every decoded fp16 weight is written to and read back from shared
@@ -33,7 +33,7 @@ which the tensor cores can read straight from registers, and the few tokens on N
 Same decode, same scales (per weight row: ``colf[:, None]``), one transpose of the
 accumulator before the epilogue.
 
-DECODE32 (experimental, off in :data:`CONFIGS` until timed). The byte decode above costs
+DECODE32 (experimental, off in :data:`CONFIGS`: timed slower). The byte decode above costs
 ~25 PTX instructions a packed byte on sm_90 (one 16-bit op per element): the loop is
 instruction-bound, not bandwidth-bound. With DECODE32 the packed bytes are loaded as int32
 words and two nibbles (bytes 0 and 2, then 1 and 3 of a word) are decoded per 32-bit op into
@@ -41,7 +41,7 @@ fp16x2 words, which are split into halves. Byte r of word q is packed byte 4q + 
 elements 8q + 2r and 8q + 2r + 1, so a step runs as four dots of K = BK/8 each, with x
 gathered in the same order (a permutation of K, applied to both operands alike).
 
-FASTDEC (experimental, off in :data:`CONFIGS` until timed): the byte decode and the block
+FASTDEC (the decode default in :data:`CONFIGS`, with XPRE): the byte decode and the block
 scale multiply written as packed 32-bit PTX (``tl.inline_asm_elementwise``, 4 packed bytes a
 call: prmt/shr/lop3 place each nibble's sign and magnitude in fp16 bit positions, two
 elements a 32-bit op, then one ``mul.rn.f16x2``), the same bits as the Triton decode below
@@ -57,13 +57,13 @@ and at T = 1 only 192 programs exist: the decode's dependent instruction chains 
 unhidden. (c) The down kernel computed its split-K scale offset as ``(sp * KH_SPLIT + k) //
 GS``, which hides its divisibility: its scale loads became byte loads outside the pipeline
 (255 registers, spills, 80 KB shared); the slice base now goes into the pointers before the
-loop (178 registers, 50 KB), for every config. Experimental switches (off in
-:data:`CONFIGS` until timed) attack (a) and (b):
+loop (178 registers, 50 KB), for every config. These switches attack (a) and (b); XPRE,
+SPLIT1 and BK 128 are the decode defaults in :data:`CONFIGS` (see there), ROWMAX a variant:
 
-- ``XPRE``: x is copied once per call as fp16 times 2**-8 with its even and odd columns in
-  two contiguous halves (``[T, 2, H/2]``), and the gate/up epilogue writes act the same way
+- ``XPRE``: x is copied once per call (``_moe_xpre_kernel``, one launch) as fp16 times
+  2**-8 with its even and odd columns in two contiguous halves (``[T, 2, H/2]``), and the gate/up epilogue writes act the same way
   (fp16); the step's x tiles are then plain contiguous fp16 loads feeding the dot, which the
-  pipeliner streams ahead with the weights. Same rounding as the default path.
+  pipeliner streams ahead with the weights. Same rounding as the strided path.
 - ``SPLIT1``: split-K of the gate/up GEMM over a third grid axis; each slice writes fp32
   gate and up partials and ``_moe_swiglu_kernel`` sums them and applies the SwiGLU. More
   programs (resident warps) at decode, at the price of one tiny pass.
@@ -72,6 +72,8 @@ loop (178 registers, 50 KB), for every config. Experimental switches (off in
 - ``ROWMAX`` (MXFP4): the fp16/fp32 split of the block scales (below) is made once per row
   and K slice from the row's largest scale byte instead of every step, so the step's dots
   accumulate in place like NVFP4's and the fp32 rescale of a fresh dot per step goes.
+- ``MAXNREG``: a register cap (Triton's ``maxnreg``) for the gate/up and down kernels, to fit
+  more programs an SM (MXFP4 gate/up at BK 128: 150 registers, 3 programs; capped at 128: 4).
 What remains, per K-step of XPRE + FASTDEC + BK 128 (64 packed bytes a thread): ~590 SASS
 instructions (~9 a byte), ~125 of them register moves that rebuild x's A fragments for
 every HMMA (the kWidth = 4 mixed-precision layout; swap AB trades them for as many PRMTs).
@@ -133,7 +135,7 @@ def _e2m1_hi(p):
     return bits.to(tl.float16, bitcast=True)
 
 
-# FASTDEC (experimental, off in CONFIGS until timed): the same decode and scale in packed
+# FASTDEC (the decode default in CONFIGS): the same decode and scale in packed
 # 32-bit PTX, 4 packed bytes (8 nibbles) a call, ~19 instructions for 8 scaled fp16 weights
 # where the byte decode above spends ~25 a byte. Per nibble group of a word w = [b0 b1 b2 b3]:
 #   h = w & 0xF0F0F0F0                 high nibbles, in place (bits 4..7 of every byte)
@@ -615,6 +617,22 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
 
 
 @triton.jit
+def _moe_xpre_kernel(x_ptr, xk_ptr, H2, stride_x, stride_xk, BH: tl.constexpr):
+    """XPRE: row t of x -> fp16 ``x * 2**-8`` with its even columns in ``[0, H/2)`` and its
+    odd ones in ``[H/2, H)`` of row t of xk (one launch; the fp32 product is exact, one
+    round to nearest even to fp16: the rounding the strided path applies in _mac)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = offs < H2
+    src = x_ptr + t * stride_x + 2 * offs
+    xe = tl.load(src, mask=m, other=0.0).to(tl.float32) * 0.00390625
+    xo = tl.load(src + 1, mask=m, other=0.0).to(tl.float32) * 0.00390625
+    dst = xk_ptr + t * stride_xk + offs
+    tl.store(dst, xe.to(tl.float16), mask=m)
+    tl.store(dst + H2, xo.to(tl.float16), mask=m)
+
+
+@triton.jit
 def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, stride_out,
                         TOPK: tl.constexpr, SPLIT: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0)
@@ -648,6 +666,10 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, 
 # ROWMAX (optional, default False; MXFP4 only, ignored for NVFP4): one fp16/fp32 scale split
 # per row and K slice instead of per K-step, so the MXFP4 dots chain like NVFP4's;
 # GPU only: switched off under the interpreter, where the reference decode runs.
+# MAXNREG (optional, default None): a cap on registers a thread for the gate/up and down
+# kernels (Triton's ``maxnreg`` compile option, ptxas .maxnreg): MXFP4 gate/up at BK 128 with
+# FASTDEC + XPRE takes 150 (3 programs of 4 warps an SM); 128 fits 4 (sm_90, Triton 3.6:
+# 8 bytes of stack, no local spills). Not passed when None (and ignored by the interpreter).
 # scripts/tune_moe.py sweeps these on a GPU; paste its winners here.
 #
 # Winners of the 2026-11-29 H200 sweep (triton 3.6, Flash shape E=256 H=4096 I=2048 k=6;
@@ -659,18 +681,34 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, 
 # The CUDA-core (BM 1..2) variants were much slower (T=1: 244 us and worse). The prefill row
 # (> 16 rows per expert) was not swept.
 _DOT16 = dict(BM=16, BK1=256, BK2=256, USE_DOT=True, num_warps=4, num_stages=3)
-_BN64 = dict(_DOT16, BN1=64, BN2=64, SPLIT2=1)                 # sweep candidate #2
-_BN32_64_S2 = dict(_DOT16, BN1=32, BN2=64, SPLIT2=2)           # sweep candidate #6
+# Promoted from the bench variants timed at 1b5dd53 + this kernel (H200, CUDA graph, us,
+# fraction of roofline), FASTDEC + XPRE, BN 64/64:
+#   T=1   BK 128, SPLIT 2/2: mxfp4 75.2 (0.25), nvfp4 75.3 (0.27)   [default tiles: 129.6 / 115.5]
+#   T=64  mxfp4 BK 128: 1060 (0.48); nvfp4 BK 256: 997.7 (0.54)     [default tiles: 2366 / 2464]
+#   T=8 and T=256 take the T=1 / T=64 winners untimed; their default rows re-measure them.
+# So at decode (<= 16 rows per expert) the default is FASTDEC + XPRE (+ SPLIT1/SPLIT2 = 2 and
+# BK 128 at <= 1 row per expert; BK 128 for MXFP4 above); SWAP_AB, DECODE32 and ROWMAX stay
+# bench/test variants; prefill keeps the plain byte decode.
+# PLAIN: the former decode default (BK 256, BN 64/64, byte decode, strided x, no split-K),
+# every key explicit: the neutral base that tests build variants on and the bench's
+# ``triton_plain`` reference row (a config given to fused_moe overrides config_for's entries,
+# so a variant built on PLAIN does not inherit the promoted switches below).
+PLAIN = dict(_DOT16, BN1=64, BN2=64, SPLIT1=1, SPLIT2=1, SWAP_AB=False, DECODE32=False,
+             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None)
+_FX = dict(_DOT16, BN1=64, BN2=64, FASTDEC=True, XPRE=True, SPLIT1=1, SPLIT2=1)
+_FX128 = dict(_FX, BK1=128, BK2=128)
+_FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
 CONFIGS = [
-    (1.0, dict(mxfp4=_BN64, nvfp4=_BN32_64_S2)),               # T=1, T=8 measured
-    (2.0, dict(mxfp4=_BN64, nvfp4=_BN64)),                     # T=64
-    (16.0, dict(mxfp4=_BN64, nvfp4=_BN64)),                    # T=256
+    (1.0, dict(mxfp4=_FX128_S2, nvfp4=_FX128_S2)),             # T=1, T=8
+    (2.0, dict(mxfp4=_FX128, nvfp4=_FX)),                      # T=64
+    (16.0, dict(mxfp4=_FX128, nvfp4=_FX)),                     # T=256
     (float("inf"), {f: dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
                             num_warps=4, num_stages=3) for f in ("mxfp4", "nvfp4")}),
 ]
 
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
-               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "num_warps", "num_stages")
+               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "num_warps", "num_stages")
+assert set(PLAIN) == set(CONFIG_KEYS)
 
 
 def rows_per_expert(T: int, topk: int, E: int) -> float:
@@ -735,9 +773,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
     ids = topk_ids.contiguous()
     tw = topk_weights.reshape(-1).contiguous()
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    g13 = w13_global.contiguous() if is_nv else dummy
-    g2 = w2_global.contiguous() if is_nv else dummy
     if is_nv:   # E4M3 scales travel as raw bytes (decoded in the kernel; sm_80 has no e4m3 type)
         w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     GS = 8 if is_nv else 16                      # packed bytes per scale
@@ -770,18 +805,32 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     nbm = block_expert.numel()
     # XPRE: x once as fp16 times 2**-8 with its even and odd columns in two contiguous
     # halves ([T, 2, H/2]; the rounding _x_tile + _mac apply anyway); act written alike
+    # (one small kernel instead of four torch ops: at T = 1 every launch costs ~2 us even in
+    # a CUDA graph)
     if xpre:
-        xk = (x.float() * X_PRESCALE).to(torch.float16).view(T, H // 2, 2).transpose(1, 2).contiguous()
+        xk = torch.empty(T, H, dtype=torch.float16, device=dev)
+        BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+        if T:
+            _moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xk, H // 2, x.stride(0), xk.stride(0),
+                                                          BH=BX, num_warps=4)
         act = torch.empty(P, I, dtype=torch.float16, device=dev)
     else:
         xk = x
         act = torch.empty(P, I, dtype=torch.float32, device=dev)
     part = torch.empty(split1, P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
     ypair = torch.empty(split, P, H, dtype=torch.float32, device=dev)
+    # MXFP4 has no global scales: the kernels never read gscale_ptr then, so any fp32
+    # pointer will do (no zero-filled placeholder: one launch less)
+    g13 = w13_global.contiguous() if is_nv else ypair
+    g2 = w2_global.contiguous() if is_nv else ypair
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     dot_fp32 = _interpreting()
     BN1, BN2 = cfg["BN1"], cfg["BN2"]
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    maxnreg = cfg.get("MAXNREG")
+    if maxnreg is not None and not (isinstance(maxnreg, int) and 32 <= maxnreg <= 255):
+        raise ValueError(f"config: MAXNREG must be None or an int in [32, 255], got {maxnreg!r}")
+    regcap = {} if maxnreg is None or _interpreting() else dict(maxnreg=maxnreg)
     _moe_gate_up_kernel[(nbm, triton.cdiv(I, BN1), split1)](
         xk, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
         I, topk, H // 2 // split1, H // 2 // split1 // GS, H // 2,
@@ -790,7 +839,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
         SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1, FASTDEC=fast,
         XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
     if split1 > 1:
         BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
         _moe_swiglu_kernel[(nbm, triton.cdiv(I, BI))](
@@ -805,7 +854,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         ypair.stride(1), ypair.stride(0),
         IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
         DECODE32=dec2, FASTDEC=fast, XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
     BH = min(1024, triton.next_power_of_2(H))
     _moe_combine_kernel[(T, triton.cdiv(H, BH))](
         ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),

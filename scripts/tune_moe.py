@@ -35,7 +35,9 @@ from dsv4lab.ops import fused_moe, route  # noqa: E402
 LIMIT = 10.0
 TOL = 1.2e-2          # x is bf16-valued and the output is bf16: as tests/test_moe.py
 
-BASE = dict(BM=16, BN1=32, BN2=32, BK1=256, BK2=256, SPLIT2=1, USE_DOT=True, num_warps=4, num_stages=3)
+# every key explicit (kernels/moe.py PLAIN, the former default, at BN 32/32): a candidate
+# overrides config_for()'s entries, so it must not inherit the promoted decode switches
+BASE = dict(kmoe.PLAIN, BN1=32, BN2=32)
 
 
 def _c(**kw):
@@ -58,6 +60,13 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=128, BN2=128, BK1=64, BK2=64, SPLIT1=2, SPLIT2=2),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, num_warps=8),
     _c(XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    # round 3: a register cap (MXFP4 gate/up 150 -> 128: 4 programs an SM), wider gate/up
+    # tiles at BK 128, ROWMAX without split-K (117 registers)
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=128, BN2=64, BK1=128, BK2=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True, MAXNREG=96),
     # FASTDEC alone (decode + block scale in packed inline PTX)
     _c(FASTDEC=True, BN1=64, BN2=64),
     # the 2026-11-29 sweep, in its order (#2 BN64/64 and #6 BN32/64 S2 won: now CONFIGS)
@@ -85,7 +94,8 @@ def short(cfg: dict) -> str:
     kind = ("swapAB" if d.pop("SWAP_AB", False) else "dot") if d.pop("USE_DOT") else "fma"
     flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC", "XPRE", "ROWMAX") if d.get(k))
     return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
-            f"S{d.get('SPLIT1', 1)}/{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}")
+            f"S{d.get('SPLIT1', 1)}/{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}"
+            + (f" r{d['MAXNREG']}" if d.get("MAXNREG") else ""))
 
 
 def main() -> int:

@@ -232,7 +232,11 @@ VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=3
             dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
                  ROWMAX=True),
             dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, ROWMAX=True, SWAP_AB=True),
-            dict(BM=2, USE_DOT=False, BK1=32, BK2=32, ROWMAX=True)]
+            dict(BM=2, USE_DOT=False, BK1=32, BK2=32, ROWMAX=True),
+            # MAXNREG (a register cap: a compile option, ignored by the interpreter) + the
+            # promoted decode switches
+            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
+                 FASTDEC=True, MAXNREG=128)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -398,7 +402,8 @@ def test_fastdec_config_checks_and_interpreter_fallback():
         kmoe.fused_moe(*args, config=dict(FASTDEC=True, DECODE32=True))
     if kmoe._interpreting():
         ref = run_moe(args[0], ex, args[5], args[6], "mxfp4", None, "torch")
-        out = kmoe.fused_moe(*args, config=dict(FASTDEC=True, BN1=16, BN2=16, BK1=32, BK2=32))
+        out = kmoe.fused_moe(*args, config=dict(kmoe.PLAIN, FASTDEC=True, BN1=16, BN2=16,
+                                                BK1=32, BK2=32))
         assert_close(out, ref, torch.float32)
 
 
@@ -421,7 +426,7 @@ def _mixed_scales_case(fmt, cfg, H, I):
     ref = run_moe(x, ex, ids, w, fmt, None, "torch")
     kw = {n: v.reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
     out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
-                         swiglu_limit=None, config=cfg, **kw)
+                         swiglu_limit=None, config=dict(kmoe.PLAIN, **cfg), **kw)
     assert_close(out, ref, torch.float32)
 
 
@@ -430,16 +435,42 @@ def test_triton_bad_config():
     ex = make_experts(2, 32, 32, "mxfp4")
     args = (torch.randn(2, 32), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
             torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    plain = kmoe.PLAIN                   # neutral base: no switch the checks below collide with
     with pytest.raises(ValueError, match="BM >= 16"):
-        kmoe.fused_moe(*args, config=dict(BM=4, USE_DOT=True))
+        kmoe.fused_moe(*args, config=dict(plain, BM=4, USE_DOT=True))
     with pytest.raises(ValueError, match="unknown keys"):
         kmoe.fused_moe(*args, config=dict(BLOCK=4))
     with pytest.raises(ValueError, match="SWAP_AB needs USE_DOT"):
-        kmoe.fused_moe(*args, config=dict(BM=1, USE_DOT=False, SWAP_AB=True))
+        kmoe.fused_moe(*args, config=dict(plain, BM=1, USE_DOT=False, SWAP_AB=True))
     with pytest.raises(ValueError, match="XPRE .* and DECODE32"):
-        kmoe.fused_moe(*args, config=dict(XPRE=True, DECODE32=True))
+        kmoe.fused_moe(*args, config=dict(plain, XPRE=True, DECODE32=True))
     with pytest.raises(ValueError, match="ROWMAX applies to the byte decode"):
-        kmoe.fused_moe(*args, config=dict(ROWMAX=True, DECODE32=True))
+        kmoe.fused_moe(*args, config=dict(plain, ROWMAX=True, DECODE32=True))
+    with pytest.raises(ValueError, match="MAXNREG must be"):
+        kmoe.fused_moe(*args, config=dict(plain, MAXNREG=7))
+    with pytest.raises(ValueError, match="MAXNREG must be"):
+        kmoe.fused_moe(*args, config=dict(plain, MAXNREG=128.0))
+    # the promoted decode default has FASTDEC on: DECODE32 on top of it is refused
+    with pytest.raises(ValueError, match="FASTDEC and DECODE32"):
+        kmoe.fused_moe(*args, config=dict(DECODE32=True))
+
+
+@pytest.mark.parametrize("H", [64, 96, 2176])
+def test_xpre_kernel_layout(H):
+    # XPRE's one-launch copy of x: fp16 x * 2**-8, even columns then odd ones, bit for bit the
+    # torch expression it replaced (H = 96: a half-row of 48 in a 64-wide block; 2176: two
+    # blocks, the second partial)
+    import triton
+    from dsv4lab.kernels import moe as kmoe
+    for dt in (torch.float32, torch.bfloat16):
+        x = (torch.randn(3, H, generator=torch.Generator().manual_seed(H)) * 100).to(dt)
+        x[0, :4] = torch.tensor([1e-7, -3e5, 0.0, 6e4 * 256])   # subnormal, large, 0, near max
+        want = (x.float() * kmoe.X_PRESCALE).to(torch.float16).view(3, H // 2, 2).transpose(1, 2)
+        got = torch.full((3, H), float("nan"), dtype=torch.float16)
+        BX = min(1024, triton.next_power_of_2(H // 2))
+        kmoe._moe_xpre_kernel[(3, triton.cdiv(H // 2, BX))](x, got, H // 2, x.stride(0),
+                                                           got.stride(0), BH=BX)
+        assert torch.equal(got.view(torch.int16), want.reshape(3, H).view(torch.int16))
 
 
 def test_config_table_per_format():
@@ -448,15 +479,23 @@ def test_config_table_per_format():
     from dsv4lab.kernels import moe as kmoe
     bounds = [b for b, _ in kmoe.CONFIGS]
     assert bounds == sorted(bounds) and bounds[-1] == float("inf")
-    for _, row in kmoe.CONFIGS:
+    assert set(kmoe.PLAIN) == set(kmoe.CONFIG_KEYS)       # the neutral base names every key
+    for bound, row in kmoe.CONFIGS:
         assert set(row) == {"mxfp4", "nvfp4"}
         for cfg in row.values():
             assert set(cfg) <= set(kmoe.CONFIG_KEYS) and not cfg.get("SWAP_AB", False)
-            assert not cfg.get("DECODE32", False)          # untimed: a bench variant only
-            assert not cfg.get("FASTDEC", False)           # untimed: a bench variant only
-            assert not cfg.get("XPRE", False) and cfg.get("SPLIT1", 1) == 1   # untimed too
-            assert not cfg.get("ROWMAX", False)
+            assert not cfg.get("DECODE32", False)          # timed slower: a variant only
+            assert not cfg.get("ROWMAX", False)            # a bench variant only
             assert cfg["BM"] >= 16 or not cfg["USE_DOT"]
+            # decode rows (<= 16 rows per expert): FASTDEC + XPRE promoted (timed on the
+            # H200); the prefill row keeps the plain byte decode
+            decode = bound <= 16
+            assert cfg.get("FASTDEC", False) == decode and cfg.get("XPRE", False) == decode
+            if not decode:
+                assert cfg.get("SPLIT1", 1) == 1
+    for fmt in ("mxfp4", "nvfp4"):      # T=1 / T=8: BK 128 with split-K 2 of both GEMMs
+        cfg = kmoe.config_for(1, 6, 256, fmt)
+        assert (cfg["BK1"], cfg["BK2"], cfg["SPLIT1"], cfg["SPLIT2"]) == (128, 128, 2, 2)
     for T in (1, 64, 256, 4096):
         r = kmoe.rows_per_expert(T, 6, 256)
         for fmt in ("mxfp4", "nvfp4"):
@@ -590,13 +629,13 @@ def test_gpu_swap_ab_variant(fmt, T):
     x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=11 + T)
     for cfg in (dict(BN1=64, BN2=64, SWAP_AB=True),
                 dict(BN1=128, BN2=128, SWAP_AB=True, num_warps=8, SPLIT2=2),
-                # DECODE32 (int32 words of packed bytes), as timed by `dsv4lab bench moe`
+                # DECODE32 (int32 words of packed bytes), as once timed by `dsv4lab bench moe`
                 dict(BN1=64, BN2=64, DECODE32=True),
                 dict(BN1=64, BN2=64, DECODE32=True, SWAP_AB=True),
                 dict(BN1=64, BN2=64, DECODE32=True, num_warps=2),
                 dict(BN1=32, BN2=64, DECODE32=True, SPLIT2=2)):
         out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                             fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
+                             fmt=fmt, swiglu_limit=10.0, config=dict(kmoe.PLAIN, **cfg), **kw)
         assert_close(out, ref, torch.bfloat16)
 
 
@@ -615,6 +654,7 @@ def test_gpu_fastdec_variant(fmt, T):
                 dict(BN1=32, BN2=64, SPLIT2=2, FASTDEC=True),
                 dict(BN1=16, BN2=16, BK1=32, BK2=32, FASTDEC=True),   # 2 bytes a thread
                 dict(BM=1, USE_DOT=False, BN1=16, BN2=16, BK1=64, BK2=64, FASTDEC=True)):
+        cfg = dict(kmoe.PLAIN, **cfg)
         out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                              fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
         assert_close(out, ref, torch.bfloat16)
@@ -628,10 +668,10 @@ def test_gpu_fastdec_variant(fmt, T):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("T", [1, 64])
 def test_gpu_bench_variants(fmt, T):
-    # every named variant `dsv4lab bench moe` times (FASTDEC, XPRE, BK 128, SPLIT1/SPLIT2,
-    # ROWMAX) at Flash's sizes, 32 experts, against the fp32 reference; plus XPRE, SPLIT1 and
-    # ROWMAX on the byte decode, and the last variant inside a CUDA graph replayed on new
-    # routing
+    # every named variant `dsv4lab bench moe` times (full configs: the plain reference row,
+    # FASTDEC, XPRE, BK 128, SPLIT1/SPLIT2, ROWMAX, ...) at Flash's sizes, 32 experts, against
+    # the fp32 reference; plus XPRE, SPLIT1 and ROWMAX on the byte decode, the promoted
+    # default, and the last variant inside a CUDA graph replayed on new routing
     from dsv4lab.benchmarks.moe import VARIANTS
     from dsv4lab.kernels import moe as kmoe
     x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=31 + T)
@@ -640,10 +680,11 @@ def test_gpu_bench_variants(fmt, T):
         return kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                               fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
 
-    extra = [dict(BN1=64, BN2=64, XPRE=True), dict(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2),
-             dict(BN1=64, BN2=64, ROWMAX=True),
-             dict(BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, XPRE=True, SWAP_AB=True,
-                  ROWMAX=True, FASTDEC=True)]
+    P = kmoe.PLAIN
+    extra = [dict(P, XPRE=True), dict(P, SPLIT1=4, SPLIT2=2), dict(P, ROWMAX=True),
+             dict(P, BK1=128, BK2=128, SPLIT1=2, XPRE=True, SWAP_AB=True, ROWMAX=True,
+                  FASTDEC=True),
+             {}]                                  # the promoted default of this T and format
     for cfg in [c for _, c in VARIANTS] + extra:
         assert_close(run(cfg), ref, torch.bfloat16)
     cfg = dict(VARIANTS[-1][1])
