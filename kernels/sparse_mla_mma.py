@@ -537,14 +537,16 @@ class Config(NamedTuple):
 # would have to list one by one.
 DEVICE_TABLE: dict = {
     "NVIDIA H200": {
-        ("bf16", "large"): Config(64, 8, 2, 64, False, 0, None),  # 285.8 us at B128 S2 T2048
-        ("bf16", "mid"): Config(64, 8, 2, 64, False, 0, None),    # 87.6 us at B64 S1 T2048 (B32: 54.8 us)
+        # bf16 large/mid: variant sqk_n64 (05c7f91 round): 240.5 us at B128 S2 T2048 (was 294.9
+        # with Config(64, 8, 2)), 80.3 us at B64 S1 T2048 (was 91.9)
+        ("bf16", "large"): Config(64, 8, 2, 64, split_qk=True),
+        ("bf16", "mid"): Config(64, 8, 2, 64, split_qk=True),
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
-        # fp8 large/mid: variant fp8fast_pg_n32_s4 (1b5dd53 round): 424.7 us at B128 S2 T2048
-        # (was 571.3 with Config(64, 8, 2)), 122.6 us at B64 S1 T2048 (was 202.5 with N32)
-        ("fp8", "large"): Config(32, 8, 4, 64, pipe_gather=True, fp8_fast=True),
-        ("fp8", "mid"): Config(32, 8, 4, 64, pipe_gather=True, fp8_fast=True),
+        # fp8 large/mid: variant fp8fast_sqk_pg_n64_s3 (05c7f91 round): 316.6 us at B128 S2 T2048
+        # (571.3 with Config(64, 8, 2), 423.3 with fp8fast_pg_n32_s4), 99.2 us at B64 S1 T2048
+        ("fp8", "large"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
+        ("fp8", "mid"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None),    # 17.6 us at B1 S1 T640
     },
 }
