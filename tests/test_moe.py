@@ -19,6 +19,8 @@ from dsv4lab.ops import fused_moe, hash_route, route
 from dsv4lab.ops.moe import moe_dense
 from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize
 
+from _moe_support import draw_routing
+
 TOL = {torch.float32: 3e-3, torch.bfloat16: 1.2e-2, torch.float16: 4e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -161,12 +163,7 @@ def test_triton_matches_reference(T, E, k, H, I, fmt, limit, routing, seed):
     ex = make_experts(E, H, I, fmt, seed=seed)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
-    if routing == "skewed":               # every token to one expert (k = 1 slot each)
-        ids[:, 0] = E - 1
-        ids[:, 1:] = -1
-    elif routing == "holes":              # -1 slots sprinkled in
-        ids[torch.rand(T, k, generator=g) < 0.4] = -1
+    ids, w = draw_routing(T, E, k, routing, g)
     ref = run_moe(x, ex, ids, w, fmt, limit, "torch")
     out = run_moe(x, ex, ids, w, fmt, limit, "triton")
     assert out.shape == (T, H) and out.dtype == x.dtype

@@ -21,6 +21,8 @@ from dsv4lab.kernels import moe_scaled as kms
 from dsv4lab.ops import fused_moe, route
 from dsv4lab.quant import mxfp4_quantize
 
+from _moe_support import draw_routing
+
 TOL_INTERP = {torch.float32: 3e-3, torch.bfloat16: 1.2e-2}
 TOL_GPU = 1.5e-2
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,16 +59,6 @@ def assert_close(out, ref, tol):
     err = (out.float() - ref.float()).abs().max().item()
     mag = ref.float().abs().max().item()
     assert err <= tol * mag + 1e-5, f"max err {err} vs max |ref| {mag} (tol {tol})"
-
-
-def draw_routing(T, E, k, routing, g):
-    ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
-    if routing == "skewed":               # every token to one expert (k = 1 slot each)
-        ids[:, 0] = E - 1
-        ids[:, 1:] = -1
-    elif routing == "holes":              # -1 slots sprinkled in
-        ids[torch.rand(T, k, generator=g) < 0.4] = -1
-    return ids, w
 
 
 # ------------------------------------------------------------------ interpreter ----------
