@@ -15,6 +15,7 @@ from dsv4lab.plots._common import latest, note
 KEYS = ("T", "impl", "fmt", "E", "hidden", "intermediate", "topk", "gpu")
 STYLE = {("triton", "mxfp4"): ("#2ca02c", "^", "Triton, MXFP4 (CUDA graph)"),
          ("triton", "nvfp4"): ("#1f77b4", "v", "Triton, NVFP4 (CUDA graph)"),
+         ("triton_plain", "mxfp4"): ("#7f7f7f", "x", "Triton, MXFP4, first port (no XPRE/FASTDEC)"),
          ("torch_ref", "mxfp4"): ("#d62728", "o", "torch: dequantise + fp32 matmul per expert"),
          ("torch_bf16", "bf16"): ("#ff7f0e", "s", "torch: bf16 weights (dequantised at load)")}
 
