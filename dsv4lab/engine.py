@@ -103,6 +103,11 @@ class Generation:
         return sum((a + 1) * n for a, n in enumerate(self.accept_hist)) / tot if tot else 1.0
 
 
+def _stage(name: str):
+    """Profiler label of one stage of a decode step (see :meth:`_Runner.step`)."""
+    return torch.profiler.record_function("step." + name)
+
+
 def _slice_meta(meta: DecodeMeta, j: int) -> DecodeMeta:
     """Column ``j`` of a [B, S] meta as a [B, 1] meta (views; a fresh RoPE memo)."""
     col = lambda t: t[:, j:j + 1]  # noqa: E731
@@ -166,41 +171,57 @@ class _Runner:
     # -- one decode step ----------------------------------------------------------------
     @torch.no_grad()
     def step(self):
+        """One decode (k = 0) or draft-verify-accept (k >= 1) step for every request.
+
+        Each stage runs under a ``torch.profiler.record_function`` label (``step.meta``,
+        ``step.main``, ``step.accept``, ``step.mtp``, ``step.draft``, ``step.update``) so a
+        profile of eager steps splits their kernels by stage (scripts/profile_spec.py);
+        the labels cost nothing inside a CUDA graph replay."""
         e = self.eng
         active = self.n_out < self.max_new
         self.n_steps += active.any().long()
         if self.k == 0:
             toks = self.cur_tok.unsqueeze(1)
-            pos = self.cur_pos.unsqueeze(1)
-            logits, _ = e.model.forward_decode(toks, self.meta(pos, e.ratios), e.cache.main, e.backends)
-            g = logits.argmax(-1)
-            a = torch.zeros_like(self.cur_pos)
-            self.commit(g, a, active)
-            self.cur_tok.copy_(torch.where(active, g[:, 0], self.cur_tok))
-            self.cur_pos.add_(active.long())
+            with _stage("meta"):
+                meta = self.meta(self.cur_pos.unsqueeze(1), e.ratios)
+            with _stage("main"):
+                logits, _ = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
+            with _stage("accept"):
+                g = logits.argmax(-1)
+                a = torch.zeros_like(self.cur_pos)
+                self.commit(g, a, active)
+            with _stage("update"):
+                self.cur_tok.copy_(torch.where(active, g[:, 0], self.cur_tok))
+                self.cur_pos.add_(active.long())
             return
         k = self.k
-        toks = torch.cat([self.cur_tok.unsqueeze(1), self.drafts], 1)
-        pos = self.cur_pos.unsqueeze(1) + torch.arange(k + 1, device=toks.device)
-        meta = self.meta(pos, e.ratios)
-        logits, h = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
-        g = logits.argmax(-1)                                                # [B, k+1]
-        a = (self.drafts == g[:, :k]).long().cumprod(1).sum(1)               # accepted drafts
-        self.commit(g, a, active)
+        with _stage("meta"):
+            toks = torch.cat([self.cur_tok.unsqueeze(1), self.drafts], 1)
+            pos = self.cur_pos.unsqueeze(1) + torch.arange(k + 1, device=toks.device)
+            meta = self.meta(pos, e.ratios)
+        with _stage("main"):
+            logits, h = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
+        with _stage("accept"):
+            g = logits.argmax(-1)                                            # [B, k+1]
+            a = (self.drafts == g[:, :k]).long().cumprod(1).sum(1)           # accepted drafts
+            self.commit(g, a, active)
         # draft the next k: MTP over the verified positions, then recursively
         # the MTP layer (compress ratio 0) reads only positions, slots and the window:
         # the verify's meta (same positions) serves it as is
-        mmeta = meta if not e.mtp_ratio else self.meta(pos, [e.mtp_ratio])
-        ml, mh = e.model.mtp_forward_decode(h, g, mmeta, e.cache.mtp, e.draft_backends)
-        ia = a.view(-1, 1)
-        d1 = ml.gather(1, ia.view(-1, 1, 1).expand(-1, 1, ml.shape[-1]))[:, 0].argmax(-1)
-        hm = mh[torch.arange(self.B, device=a.device), a]
-        new_pos = self.cur_pos + a + 1
-        drafts = self.draft_rest(hm, d1, new_pos)
-        bonus = g.gather(1, ia)[:, 0]
-        self.cur_tok.copy_(torch.where(active, bonus, self.cur_tok))
-        self.cur_pos.copy_(torch.where(active, new_pos, self.cur_pos))
-        self.drafts.copy_(torch.where(active.unsqueeze(1), drafts, self.drafts))
+        with _stage("mtp"):
+            mmeta = meta if not e.mtp_ratio else self.meta(pos, [e.mtp_ratio])
+            ml, mh = e.model.mtp_forward_decode(h, g, mmeta, e.cache.mtp, e.draft_backends)
+            ia = a.view(-1, 1)
+            d1 = ml.gather(1, ia.view(-1, 1, 1).expand(-1, 1, ml.shape[-1]))[:, 0].argmax(-1)
+            hm = mh[torch.arange(self.B, device=a.device), a]
+            new_pos = self.cur_pos + a + 1
+        with _stage("draft"):
+            drafts = self.draft_rest(hm, d1, new_pos)
+        with _stage("update"):
+            bonus = g.gather(1, ia)[:, 0]
+            self.cur_tok.copy_(torch.where(active, bonus, self.cur_tok))
+            self.cur_pos.copy_(torch.where(active, new_pos, self.cur_pos))
+            self.drafts.copy_(torch.where(active.unsqueeze(1), drafts, self.drafts))
 
     def run_step(self):
         if self.graph is not None:
@@ -308,6 +329,23 @@ class Engine:
             self._runners[key] = r
         return self._runners[key]
 
+    def admit(self, r: _Runner) -> list[int]:
+        """Give each of the runner's ``B`` request slots its raw and compressed pages (the
+        block tables); returns the pages, for :meth:`PagedKVCache.release`."""
+        pages, bt, cbt = [], [], []
+        try:
+            for _ in range(r.B):
+                raw, comp = self.cache.alloc(self.n_raw), self.cache.alloc(self.n_comp)
+                pages += raw + comp
+                bt.append(raw)
+                cbt.append(comp)
+        except RuntimeError:
+            self.cache.release(pages)
+            raise
+        r.block_table.copy_(torch.tensor(bt, dtype=torch.int32))
+        r.cblock_table.copy_(torch.tensor(cbt, dtype=torch.int32))
+        return pages
+
     @torch.no_grad()
     def prefill(self, r: _Runner, prompts: list[list[int]], max_new: int) -> None:
         """Run the prompts; set the runner's pending token, position, outputs (and drafts)."""
@@ -318,8 +356,9 @@ class Engine:
         for b, p in enumerate(prompts):
             toks[b, :len(p)] = torch.as_tensor(p, dtype=torch.long)
         pos = torch.arange(L, device=dev).expand(B, L)
-        meta = r.meta(pos, self.ratios)
-        logits, h = self.model.forward_decode(toks, meta, self.cache.main, self.backends)
+        with torch.profiler.record_function("prefill.main"):
+            meta = r.meta(pos, self.ratios)
+            logits, h = self.model.forward_decode(toks, meta, self.cache.main, self.backends)
         last = (lens - 1).view(B, 1)
         first = logits.gather(1, last.unsqueeze(-1).expand(-1, 1, logits.shape[-1]))[:, 0].argmax(-1)
         r.out.zero_()
@@ -331,6 +370,12 @@ class Engine:
         r.cur_tok.copy_(first)
         r.cur_pos.copy_(lens)
         if r.k:
+            self._prefill_drafts(r, toks, pos, h, first, lens, last)
+
+    def _prefill_drafts(self, r: _Runner, toks, pos, h, first, lens, last) -> None:
+        """The MTP layer over the prompt (its cache), then the first k drafts."""
+        B, dev = toks.shape[0], self.device
+        with torch.profiler.record_function("prefill.mtp"):
             nt = torch.cat([toks[:, 1:], toks[:, :1]], 1)
             nt.scatter_(1, last, first.view(B, 1))
             ml, mh = self.model.mtp_forward_decode(h, nt, r.meta(pos, [self.mtp_ratio]),
@@ -373,14 +418,7 @@ class Engine:
         r = self._runner(B, num_draft)
         pages = []
         try:
-            bt, cbt = [], []
-            for _ in range(B):
-                raw, comp = self.cache.alloc(self.n_raw), self.cache.alloc(self.n_comp)
-                pages += raw + comp
-                bt.append(raw)
-                cbt.append(comp)
-            r.block_table.copy_(torch.tensor(bt, dtype=torch.int32))
-            r.cblock_table.copy_(torch.tensor(cbt, dtype=torch.int32))
+            pages = self.admit(r)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()

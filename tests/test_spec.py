@@ -144,3 +144,60 @@ def test_draft_moe_backend_resolves_up_front():
     assert eng.moe_plans["draft"].fmt == "mxfp4"
     with pytest.raises(ValueError, match="unknown op"):
         Engine(m, max_batch=1, max_len=16, backends={"attention": "mma"})
+
+
+def test_step_stages_are_labelled_for_the_profiler():
+    """Every stage of an eager step runs under its record_function label (scripts/profile_spec.py
+    splits a step's kernels by them); the labels change no token."""
+    eng = Engine(_model(), max_batch=1, max_len=48, page_size=8, backends=TORCH)
+    plain = eng.generate([[3, 1, 4, 1, 5]], 6)
+    for k, want in ((0, {"meta", "main", "accept", "update"}),
+                    (2, {"meta", "main", "accept", "mtp", "draft", "update"})):
+        r = eng._runner(1, k)
+        pages = eng.admit(r)
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                eng.prefill(r, [[3, 1, 4, 1, 5]], 6)
+                r.step()
+        finally:
+            eng.cache.release(pages)
+        names = {e.name for e in prof.events()}
+        assert {"step." + s for s in want} <= names, names
+        assert not ({"step.mtp", "step.draft"} - {"step." + s for s in want}) & names
+        assert ("prefill.mtp" in names) == (k > 0) and "prefill.main" in names
+        assert eng.generate([[3, 1, 4, 1, 5]], 6, num_draft=k).tokens == plain.tokens
+
+
+def test_admit_hands_back_pages_when_the_cache_runs_out():
+    eng = Engine(_model(), max_batch=2, max_len=16, page_size=8, backends=TORCH)
+    r = eng._runner(2, 0)
+    free = eng.cache.free_pages
+    hog = eng.cache.alloc(free - (eng.n_raw + eng.n_comp))     # room for one request, not two
+    with pytest.raises(RuntimeError, match="out of pages"):
+        eng.admit(r)
+    assert eng.cache.free_pages == eng.n_raw + eng.n_comp
+    eng.cache.release(hog)
+    pages = eng.admit(r)
+    assert len(pages) == 2 * (eng.n_raw + eng.n_comp) and eng.cache.free_pages == free - len(pages)
+    assert r.block_table.tolist() == [pages[:eng.n_raw], pages[eng.n_raw + eng.n_comp:2 * eng.n_raw + eng.n_comp]]
+    eng.cache.release(pages)
+
+
+def test_profile_script_runs_on_the_cpu(tmp_path, capsys):
+    """scripts/profile_spec.py (the GPU profile of a speculative step) imports and runs on the
+    CPU: tiny model, eager steps, leaf ops per stage."""
+    import importlib.util
+    import json
+    path = Path(__file__).resolve().parent.parent / "scripts" / "profile_spec.py"
+    spec = importlib.util.spec_from_file_location("profile_spec", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "p.json"
+    assert mod.main(["--tiny", "--drafts", "0", "2", "--steps", "2", "--new", "6", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["num_draft"] for r in rows] == [0, 2]
+    assert set(rows[1]["eager_stages"]) == set(mod.STAGES)
+    assert "step.draft" not in rows[0]["eager_stages"]
+    assert all(r["eager_stages"]["step.main"]["kernels"] > 0 for r in rows)
+    assert rows[1]["eager_stages"]["step.mtp"]["kernels"] > 0
+    assert "per stage of an EAGER step" in capsys.readouterr().out
