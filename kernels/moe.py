@@ -74,6 +74,17 @@ SPLIT1 and BK 128 are the decode defaults in :data:`CONFIGS` (see there), ROWMAX
   accumulate in place like NVFP4's and the fp32 rescale of a fresh dot per step goes.
 - ``MAXNREG``: a register cap (Triton's ``maxnreg``) for the gate/up and down kernels, to fit
   more programs an SM (MXFP4 gate/up at BK 128: 150 registers, 3 programs; capped at 128: 4).
+- ``FOLD`` (a bench variant; round 4): fewer launches at decode, where at T = 1 the weight
+  bytes take ~19 us and each of the 6 launches (grouping, XPRE copy, gate/up, SwiGLU sum,
+  down, combine) costs a few us of gap and tail. The combine runs inside the down kernel
+  and (SPLIT1 > 1) the SwiGLU sum of the split-K slices inside the gate/up kernel: every
+  program stores its partial as before, then counts itself in on a zeroed int32 counter of
+  its tile (a barrier, then one acq_rel atomic at GPU scope); the program that completes
+  the count reads the tile's partials back (L2 loads) and sums them in the separate pass's
+  order, so the result is the same bits whichever program finishes last. With the
+  single-program grouping (P <= 1024), one prologue launch (``_moe_prologue_kernel``) groups
+  the pairs, zeroes the counters, copies x (XPRE) and writes the zero rows of tokens
+  without a valid pair: 6 launches -> 3, no atomics left in the numbers.
 What remains, per K-step of XPRE + FASTDEC + BK 128 (64 packed bytes a thread): ~590 SASS
 instructions (~9 a byte), ~125 of them register moves that rebuild x's A fragments for
 every HMMA (the kWidth = 4 mixed-precision layout; swap AB trades them for as many PRMTs).
@@ -108,7 +119,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.kernels.moe_align import moe_align, num_blocks_max
+from dsv4lab.kernels.moe_align import _align_body, align_buffers, align_kernel_fits, moe_align, num_blocks_max
 
 X_PRESCALE = 2.0 ** -8      # x and activations enter the fp16 dot scaled by this
 W_OFFSET = 2.0 ** -14       # the fp16 bit trick yields value * 2**-14
@@ -379,13 +390,14 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         block_expert_ptr, block_start_ptr, block_count_ptr, act_ptr,
                         I, TOPK, KH_SPLIT, KS_SPLIT, XO_OFF,
                         stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_act,
-                        stride_part, swiglu_limit,
+                        stride_part, swiglu_limit, fin_ptr, stride_fin, sem_ptr,
                         IS_NV: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
                         USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr,
                         DECODE32: tl.constexpr = False, FASTDEC: tl.constexpr = False,
                         XPRE: tl.constexpr = False, PARTIAL: tl.constexpr = False,
-                        ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False):
+                        ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False,
+                        FOLD: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -486,6 +498,19 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
         part = act_ptr + sp.to(tl.int64) * stride_part + rows[:, None] * stride_act + offs_n[None, :]
         tl.store(part, gate, mask=omask)
         tl.store(part + I, up, mask=omask)
+        if FOLD:       # the last slice to finish this (block, tile) sums them: no SwiGLU pass
+            tl.debug_barrier()                    # every thread's partial stored first
+            done = tl.atomic_add(sem_ptr + b * tl.num_programs(1) + pn, 1, sem="acq_rel",
+                                 scope="gpu")
+            if done == tl.num_programs(2) - 1:
+                src = act_ptr + rows[:, None] * stride_act + offs_n[None, :]
+                gate = tl.zeros((BM, BN), dtype=tl.float32)
+                up = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in range(0, tl.num_programs(2)):       # slice order: deterministic
+                    gate += tl.load(src + s * stride_part, mask=omask, other=0.0, cache_modifier=".cg")
+                    up += tl.load(src + s * stride_part + I, mask=omask, other=0.0, cache_modifier=".cg")
+                _store_act(fin_ptr, rows, offs_n, gate, up, omask, I, stride_fin, swiglu_limit,
+                           HAS_LIMIT, XPRE)
     else:
         _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
                    HAS_LIMIT, XPRE)
@@ -539,12 +564,13 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
                      block_expert_ptr, block_start_ptr, block_count_ptr, ypair_ptr,
                      H, KH_SPLIT, KS_SPLIT, XO_OFF,
                      stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y,
-                     stride_ys,
+                     stride_ys, ids_ptr, out_ptr, sem_ptr, E, TOPK, stride_out,
                      IS_NV: tl.constexpr, DOT_FP32: tl.constexpr, USE_DOT: tl.constexpr,
                      SWAP_AB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False,
                      FASTDEC: tl.constexpr = False, XPRE: tl.constexpr = False,
-                     ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False):
+                     ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False,
+                     FOLD: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -614,6 +640,40 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
         y = acc * wt[:, None]
     tl.store(ypair_ptr + sp.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_y
              + offs_n[None, :], y, mask=mmask[:, None] & nmask[None, :])
+    if FOLD:
+        _fold_combine(ypair_ptr, ids_ptr, out_ptr, sem_ptr, sorted_pair_ptr, start, cnt, pn,
+                      offs_n, nmask, E, TOPK, stride_y, stride_ys, stride_out, BN)
+
+
+@triton.jit
+def _fold_combine(ypair_ptr, ids_ptr, out_ptr, sem_ptr, sorted_pair_ptr, start, cnt, pn,
+                  offs_n, nmask, E, TOPK, stride_y, stride_ys, stride_out, BN: tl.constexpr):
+    """FOLD: the combine inside the down kernel. Each (block, tile, slice) program counts
+    itself in, per token of its rows, on a zeroed counter of (token, hidden tile); the
+    program that brings it to (valid pairs of the token) * (slices) is the last one, and
+    sums that token's k rows and slices of ypair in the combine kernel's order (pairs, then
+    slices): the same fp32 sum, bit for bit, whichever program comes last."""
+    tl.debug_barrier()                            # this program's partial rows stored first
+    nh = tl.num_programs(1)
+    ns = tl.num_programs(2)
+    for m in range(0, cnt):
+        t = (tl.load(sorted_pair_ptr + start + m) // TOPK).to(tl.int64)
+        need = 0
+        for j in range(0, TOPK):
+            ej = tl.load(ids_ptr + t * TOPK + j)
+            need += ((ej >= 0) & (ej < E)).to(tl.int32)
+        done = tl.atomic_add(sem_ptr + t * nh + pn, 1, sem="acq_rel", scope="gpu")
+        if done == need * ns - 1:
+            acc = tl.zeros((BN,), dtype=tl.float32)
+            for j in range(0, TOPK):
+                ej = tl.load(ids_ptr + t * TOPK + j + offs_n * 0)     # broadcast: a vector mask
+                ok = nmask & (ej >= 0) & (ej < E)
+                row = t * TOPK + j
+                for s in range(0, ns):
+                    acc += tl.load(ypair_ptr + s * stride_ys + row * stride_y + offs_n,
+                                   mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty),
+                     mask=nmask)
 
 
 @triton.jit
@@ -621,8 +681,13 @@ def _moe_xpre_kernel(x_ptr, xk_ptr, H2, stride_x, stride_xk, BH: tl.constexpr):
     """XPRE: row t of x -> fp16 ``x * 2**-8`` with its even columns in ``[0, H/2)`` and its
     odd ones in ``[H/2, H)`` of row t of xk (one launch; the fp32 product is exact, one
     round to nearest even to fp16: the rounding the strided path applies in _mac)."""
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    _xpre_body(x_ptr, xk_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), H2, stride_x,
+               stride_xk, BH)
+
+
+@triton.jit
+def _xpre_body(x_ptr, xk_ptr, t, pb, H2, stride_x, stride_xk, BH: tl.constexpr):
+    offs = pb * BH + tl.arange(0, BH)
     m = offs < H2
     src = x_ptr + t * stride_x + 2 * offs
     xe = tl.load(src, mask=m, other=0.0).to(tl.float32) * 0.00390625
@@ -630,6 +695,41 @@ def _moe_xpre_kernel(x_ptr, xk_ptr, H2, stride_x, stride_xk, BH: tl.constexpr):
     dst = xk_ptr + t * stride_xk + offs
     tl.store(dst, xe.to(tl.float16), mask=m)
     tl.store(dst + H2, xo.to(tl.float16), mask=m)
+
+
+@triton.jit
+def _moe_prologue_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
+                         block_count_ptr, P, E, NB_MAX, x_ptr, xk_ptr, H2, stride_x, stride_xk,
+                         NXB, sem_ptr, NSEM, out_ptr, stride_out, TOPK,
+                         BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                         BH: tl.constexpr, BZ: tl.constexpr, XPRE: tl.constexpr):
+    """FOLD at decode (P <= 1024 pairs): one launch for everything before the gate/up GEMM.
+    Program 0 groups the pairs (moe_align's single-program kernel, the same body) and zeroes
+    the FOLD counters; program 1 + t * NXB + j copies block j of token t's x (XPRE, as
+    _moe_xpre_kernel) and, for a token without a valid pair (no down program will ever
+    write its row), writes that block of the output's zeros."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        _align_body(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
+                    block_count_ptr, P, E, NB_MAX, BM, P_PAD, E_PAD)
+        for z0 in range(0, NSEM, BZ):
+            oz = z0 + tl.arange(0, BZ)
+            tl.store(sem_ptr + oz, tl.zeros((BZ,), dtype=tl.int32), mask=oz < NSEM)
+    else:
+        t = ((pid - 1) // NXB).to(tl.int64)
+        pb = (pid - 1) % NXB
+        if XPRE:
+            _xpre_body(x_ptr, xk_ptr, t, pb, H2, stride_x, stride_xk, BH)
+        nvalid = 0
+        for j in range(0, TOPK):
+            ej = tl.load(ids_ptr + t * TOPK + j)
+            nvalid += ((ej >= 0) & (ej < E)).to(tl.int32)
+        if nvalid == 0:
+            offs = pb * BH + tl.arange(0, BH)
+            z = tl.zeros((BH,), dtype=tl.float32).to(out_ptr.dtype.element_ty)
+            dst = out_ptr + t * stride_out + 2 * offs
+            tl.store(dst, z, mask=offs < H2)
+            tl.store(dst + 1, z, mask=offs < H2)
 
 
 @triton.jit
@@ -670,6 +770,12 @@ def _moe_combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, 
 # kernels (Triton's ``maxnreg`` compile option, ptxas .maxnreg): MXFP4 gate/up at BK 128 with
 # FASTDEC + XPRE takes 150 (3 programs of 4 warps an SM); 128 fits 4 (sm_90, Triton 3.6:
 # 8 bytes of stack, no local spills). Not passed when None (and ignored by the interpreter).
+# FOLD (optional, default False): fewer launches at decode: the combine runs inside the down
+# kernel and (SPLIT1 > 1) the SwiGLU sum inside the gate/up kernel, each done by the last
+# program to finish its tile (zeroed int32 counters, acq_rel atomics, a fixed summation
+# order: the same bits as the separate passes); when the single-program grouping applies
+# (P <= 1024) the grouping, the XPRE copy and the counters' zeroing share one launch
+# (_moe_prologue_kernel). T = 1 with SPLIT 2/2 + XPRE: 6 launches -> 3.
 # scripts/tune_moe.py sweeps these on a GPU; paste its winners here.
 #
 # Winners of the 2026-11-29 H200 sweep (triton 3.6, Flash shape E=256 H=4096 I=2048 k=6;
@@ -694,7 +800,7 @@ _DOT16 = dict(BM=16, BK1=256, BK2=256, USE_DOT=True, num_warps=4, num_stages=3)
 # ``triton_plain`` reference row (a config given to fused_moe overrides config_for's entries,
 # so a variant built on PLAIN does not inherit the promoted switches below).
 PLAIN = dict(_DOT16, BN1=64, BN2=64, SPLIT1=1, SPLIT2=1, SWAP_AB=False, DECODE32=False,
-             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None)
+             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None, FOLD=False)
 _FX = dict(_DOT16, BN1=64, BN2=64, FASTDEC=True, XPRE=True, SPLIT1=1, SPLIT2=1)
 _FX128 = dict(_FX, BK1=128, BK2=128)
 _FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
@@ -707,7 +813,8 @@ CONFIGS = [
 ]
 
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
-               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "num_warps", "num_stages")
+               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "num_warps",
+               "num_stages")
 assert set(PLAIN) == set(CONFIG_KEYS)
 
 
@@ -801,21 +908,44 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         w13 = w13.clone()
     if dec2 and w2.data_ptr() % 16:
         w2 = w2.clone()
-    sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, BM)
+    fold = bool(cfg.get("FOLD", False))
+    if fold and dec32:
+        raise ValueError("config: FOLD is not implemented with DECODE32")
+    BN1, BN2 = cfg["BN1"], cfg["BN2"]
+    fused_pro = fold and align_kernel_fits(P) and T > 0
+    if fused_pro:
+        ids_flat, align_out, P_PAD, E_PAD, nbm = align_buffers(ids, E, BM)
+        sorted_pair, block_expert, block_start, block_count = align_out
+    else:
+        sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, BM)
     nbm = block_expert.numel()
+    if fold:     # counters: (block, I tile) of the gate/up fold, then (token, H tile) of the down's
+        n_gu = nbm * triton.cdiv(I, BN1) if split1 > 1 else 0
+        sem = (torch.empty if fused_pro else torch.zeros)(n_gu + T * triton.cdiv(H, BN2) + 1,
+                                                          dtype=torch.int32, device=dev)
+        sem_dn = sem[n_gu:]
+    else:
+        sem = sem_dn = block_count
     # XPRE: x once as fp16 times 2**-8 with its even and odd columns in two contiguous
     # halves ([T, 2, H/2]; the rounding _x_tile + _mac apply anyway); act written alike
     # (one small kernel instead of four torch ops: at T = 1 every launch costs ~2 us even in
     # a CUDA graph)
+    out = (torch.zeros if fold and not fused_pro else torch.empty)(T, H, dtype=x.dtype, device=dev)
+    BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+    xk = torch.empty(T, H, dtype=torch.float16, device=dev) if xpre else x
+    if fused_pro:
+        nxb = triton.cdiv(H // 2, BX)
+        _moe_prologue_kernel[(1 + T * nxb,)](
+            ids_flat, sorted_pair, block_expert, block_start, block_count, P, E, nbm,
+            x, xk, H // 2, x.stride(0), xk.stride(0), nxb, sem, sem.numel(), out, out.stride(0),
+            topk, BM=BM, P_PAD=P_PAD, E_PAD=E_PAD, BH=BX, BZ=1024, XPRE=xpre,
+            num_warps=4 if P_PAD <= 256 else 8)
     if xpre:
-        xk = torch.empty(T, H, dtype=torch.float16, device=dev)
-        BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
-        if T:
+        if T and not fused_pro:
             _moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xk, H // 2, x.stride(0), xk.stride(0),
                                                           BH=BX, num_warps=4)
         act = torch.empty(P, I, dtype=torch.float16, device=dev)
     else:
-        xk = x
         act = torch.empty(P, I, dtype=torch.float32, device=dev)
     part = torch.empty(split1, P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
     ypair = torch.empty(split, P, H, dtype=torch.float32, device=dev)
@@ -823,9 +953,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     # pointer will do (no zero-filled placeholder: one launch less)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
     dot_fp32 = _interpreting()
-    BN1, BN2 = cfg["BN1"], cfg["BN2"]
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     maxnreg = cfg.get("MAXNREG")
     if maxnreg is not None and not (isinstance(maxnreg, int) and 32 <= maxnreg <= 255):
@@ -835,12 +963,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         xk, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
         I, topk, H // 2 // split1, H // 2 // split1 // GS, H // 2,
         xk.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(-2), part.stride(0) if split1 > 1 else 0, limit,
+        part.stride(-2), part.stride(0) if split1 > 1 else 0, limit, act, act.stride(0), sem,
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
         SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1, FASTDEC=fast,
         XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
-    if split1 > 1:
+        FOLD=fold and split1 > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
+    if split1 > 1 and not fold:
         BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
         _moe_swiglu_kernel[(nbm, triton.cdiv(I, BI))](
             part, act, block_expert, block_start, block_count,
@@ -851,12 +979,13 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
         H, I // 2 // split, I // 2 // split // GS, I // 2,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        ypair.stride(1), ypair.stride(0),
+        ypair.stride(1), ypair.stride(0), ids, out, sem_dn, E, topk, out.stride(0),
         IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
         DECODE32=dec2, FASTDEC=fast, XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
-    BH = min(1024, triton.next_power_of_2(H))
-    _moe_combine_kernel[(T, triton.cdiv(H, BH))](
-        ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
-        TOPK=topk, SPLIT=split, BH=BH, num_warps=4)
+        FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
+    if not fold:
+        BH = min(1024, triton.next_power_of_2(H))
+        _moe_combine_kernel[(T, triton.cdiv(H, BH))](
+            ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
+            TOPK=topk, SPLIT=split, BH=BH, num_warps=4)
     return out

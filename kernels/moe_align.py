@@ -36,6 +36,16 @@ def num_blocks_max(P: int, E: int, BM: int) -> int:
 def _moe_align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
                       block_count_ptr, P, E, NB_MAX,
                       BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    _align_body(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+                P, E, NB_MAX, BM, P_PAD, E_PAD)
+
+
+@triton.jit
+def _align_body(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
+                block_count_ptr, P, E, NB_MAX,
+                BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """The grouping, in one program (also run by program 0 of kernels/moe.py's fused
+    prologue, ``_moe_prologue_kernel``)."""
     offs = tl.arange(0, P_PAD)
     inb = offs < P
     ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32)
@@ -65,8 +75,14 @@ def _moe_align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_pt
         tl.store(block_expert_ptr + bb, -1, mask=(bb >= total) & (bb < NB_MAX))
 
 
-def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int):
-    """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P)."""
+def align_kernel_fits(P: int) -> bool:
+    """Whether the single-program kernel handles P pairs (else the torch grouping)."""
+    return max(16, triton.next_power_of_2(P)) <= ALIGN_KERNEL_MAX_P
+
+
+def align_buffers(topk_ids: torch.Tensor, E: int, BM: int):
+    """``(flat ids, (sorted_pair, block_expert, block_start, block_count), P_PAD, E_PAD,
+    NB_MAX)``: the outputs and paddings of the single-program grouping (P <= 1024)."""
     P = topk_ids.numel()
     P_PAD = max(16, triton.next_power_of_2(P))
     if P_PAD > ALIGN_KERNEL_MAX_P:
@@ -74,11 +90,16 @@ def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int):
     E_PAD = max(16, triton.next_power_of_2(E))
     nbm = num_blocks_max(P, E, BM)
     dev = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    sorted_pair = torch.empty(P, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(nbm, dtype=torch.int32, device=dev)
-    block_start = torch.empty(nbm, dtype=torch.int32, device=dev)
-    block_count = torch.empty(nbm, dtype=torch.int32, device=dev)
+    bufs = (torch.empty(P, dtype=torch.int32, device=dev),
+            *(torch.empty(nbm, dtype=torch.int32, device=dev) for _ in range(3)))
+    return topk_ids.reshape(-1), bufs, P_PAD, E_PAD, nbm
+
+
+def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int):
+    """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P)."""
+    ids, bufs, P_PAD, E_PAD, nbm = align_buffers(topk_ids, E, BM)
+    sorted_pair, block_expert, block_start, block_count = bufs
+    P = ids.numel()
     _moe_align_kernel[(1,)](ids, sorted_pair, block_expert, block_start, block_count, P, E, nbm,
                             BM=BM, P_PAD=P_PAD, E_PAD=E_PAD, num_warps=4 if P_PAD <= 256 else 8)
     return sorted_pair, block_expert, block_start, block_count
@@ -111,7 +132,6 @@ def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int):
 
 def moe_align(topk_ids: torch.Tensor, E: int, BM: int):
     """``(sorted_pair, block_expert, block_start, block_count)``: Triton for small P, torch above."""
-    P = topk_ids.numel()
-    if max(16, triton.next_power_of_2(P)) <= ALIGN_KERNEL_MAX_P:
+    if align_kernel_fits(topk_ids.numel()):
         return moe_align_triton(topk_ids, E, BM)
     return moe_align_torch(topk_ids, E, BM)

@@ -67,6 +67,15 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=128, BN2=64, BK1=128, BK2=128),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True, MAXNREG=96),
+    # round 4: FOLD (combine in the down kernel, SwiGLU sum in gate/up, one prologue
+    # launch: 3 launches at T = 1) and candidates around the T = 64 MXFP4 best
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, FOLD=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, MAXNREG=128,
+       FOLD=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, MAXNREG=128, FOLD=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, MAXNREG=128, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, MAXNREG=128),
     # FASTDEC alone (decode + block scale in packed inline PTX)
     _c(FASTDEC=True, BN1=64, BN2=64),
     # the 2026-11-29 sweep, in its order (#2 BN64/64 and #6 BN32/64 S2 won: now CONFIGS)

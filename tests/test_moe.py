@@ -233,7 +233,11 @@ VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=3
             # MAXNREG (a register cap: a compile option, ignored by the interpreter) + the
             # promoted decode switches
             dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
-                 FASTDEC=True, MAXNREG=128)]
+                 FASTDEC=True, MAXNREG=128),
+            # FOLD: combine in the down kernel, SwiGLU sum in the gate/up kernel, one prologue
+            dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
+                 FASTDEC=True, FOLD=True),
+            dict(BM=1, USE_DOT=False, BK1=32, BK2=32, SPLIT1=2, FOLD=True)]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -577,6 +581,51 @@ def test_fused_moe_bad_inputs():
         call(backend="trtllm_fp4")
 
 
+@settings(max_examples=8, deadline=None)
+@given(T=st.integers(1, 6), E=st.integers(2, 6), k=st.integers(1, 3),
+       fmt=st.sampled_from(["mxfp4", "nvfp4"]), routing=st.sampled_from(["random", "skewed", "holes"]),
+       split=st.sampled_from([(1, 1), (2, 2), (1, 2), (2, 1)]), xpre=st.booleans(),
+       torch_align=st.booleans(), seed=st.integers(0, 1000))
+def test_fold_equals_separate_passes(T, E, k, fmt, routing, split, xpre, torch_align, seed):
+    # FOLD sums the split-K SwiGLU partials and the combine in the "last program of a tile"
+    # in the separate passes' order: the output must be the SAME BITS as without FOLD (and
+    # match the fp32 reference, tolerance TOL[fp32]); a token whose k slots are all -1 gets a
+    # zero row (written by the prologue, or torch.zeros on the torch grouping path)
+    from unittest import mock
+    from dsv4lab.kernels import moe as kmoe
+    k = min(k, E)
+    ex = make_experts(E, 64, 64, fmt, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 64, generator=g)
+    ids, w = draw_routing(T, E, k, routing, g)
+    if routing == "holes":
+        ids[-1, :] = -1
+    cfg = dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT1=split[0], SPLIT2=split[1], XPRE=xpre)
+
+    def call(fold):
+        return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
+                         swiglu_limit=10.0, backend="triton", kernel_config=dict(cfg, FOLD=fold),
+                         **ex["kw"])
+    # torch_align: the prefill grouping path (no fused prologue; zeroed buffers instead)
+    with mock.patch.object(kmoe, "align_kernel_fits", lambda P: not torch_align):
+        out = call(True)
+    assert torch.equal(out, call(False))
+    assert_close(out, run_moe(x, ex, ids, w, fmt, 10.0, "torch"), torch.float32)
+    if routing == "holes":
+        assert out[-1].eq(0).all()
+
+
+def test_fold_config_checks():
+    from dsv4lab.kernels import moe as kmoe
+    assert kmoe.PLAIN["FOLD"] is False and all(not c[f].get("FOLD", False)
+                                               for _, c in kmoe.CONFIGS for f in c)
+    ex = make_experts(2, 128, 128, "mxfp4")
+    with pytest.raises(ValueError, match="FOLD"):
+        kmoe.fused_moe(torch.randn(1, 128), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
+                       config=dict(kmoe.PLAIN, DECODE32=True, FOLD=True))
+
+
 def test_empty_batch():
     ex = make_experts(2, 32, 32, "mxfp4")
     out = run_moe(torch.randn(0, 32), ex, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2),
@@ -684,21 +733,29 @@ def test_gpu_bench_variants(fmt, T):
              {}]                                  # the promoted default of this T and format
     for cfg in [c for _, c in VARIANTS] + extra:
         assert_close(run(cfg), ref, torch.bfloat16)
-    cfg = dict(VARIANTS[-1][1])
-    run(cfg)
-    torch.cuda.synchronize()
-    ids2, w2 = ids.clone(), w.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(cfg, ids2, w2)
-    new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
-    new_ids[-1, 0] = -1
-    ids2.copy_(new_ids)
-    w2.copy_(new_w)
-    graph.replay()
-    torch.cuda.synchronize()
-    ref2 = run_moe(x.float(), ex, ids2, w2, fmt, 10.0, "torch")
-    assert_close(out, ref2, torch.bfloat16)
+    # the last variant and the FOLD ones (their counters are zeroed inside the graph) captured
+    # once and replayed on new routing, twice (a stale counter would show on the second)
+    folds = [dict(c) for n, c in VARIANTS if c.get("FOLD")]
+    for cfg in [dict(VARIANTS[-1][1])] + folds:
+        run(cfg)
+        torch.cuda.synchronize()
+        ids2, w2 = ids.clone(), w.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(cfg, ids2, w2)
+        for rep in range(2):
+            new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
+            new_ids[-1, 0] = -1
+            if rep:
+                new_ids[0, :] = -1                # a token with no valid pair: a zero row
+            ids2.copy_(new_ids)
+            w2.copy_(new_w)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref2 = run_moe(x.float(), ex, ids2, w2, fmt, 10.0, "torch")
+            assert_close(out, ref2, torch.bfloat16)
+            if cfg.get("FOLD"):                   # the same bits as the separate passes
+                assert torch.equal(out, run(dict(cfg, FOLD=False), ids2, w2))
 
 
 @gpu

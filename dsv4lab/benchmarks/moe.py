@@ -110,23 +110,40 @@ def print_table(rows: list[dict]) -> None:
 # Triton 3.6, none spilling to local memory (the 128 cap: 8 bytes of stack).
 # (fd_xpre, BK 256, is the NVFP4 default at T = 64 and slower for MXFP4: not repeated.)
 # (The swap-AB and DECODE32 rows timed on 2026-11-29 were slower: dropped; so was FASTDEC
-# alone, superseded by FASTDEC + XPRE.)
+# alone, superseded by FASTDEC + XPRE; round 4 dropped bn128_bk128 (T = 64: 1117.5 us vs
+# 1031.4) and bk128_w8 (1908.8 / 106.3 us) to keep the bench short.)
 _FX = dict(PLAIN, FASTDEC=True, XPRE=True)
 _FX128 = dict(_FX, BK1=128, BK2=128)
 VARIANTS = [
     ("triton_plain", dict(PLAIN)),
     ("triton_fd_xpre_bk128", dict(_FX128)),
     ("triton_fd_xpre_bk128_s2", dict(_FX128, SPLIT1=2, SPLIT2=2)),
-    ("triton_fd_xpre_bn128_bk128", dict(_FX128, BN1=128)),
-    ("triton_fd_xpre_bk128_w8", dict(_FX128, num_warps=8)),
     ("triton_fd_xpre_rm_bk128", dict(_FX128, ROWMAX=True)),
     ("triton_fd_xpre_bk128_r128", dict(_FX128, MAXNREG=128)),
     ("triton_fd_xpre_bk128_s2_r128", dict(_FX128, SPLIT1=2, SPLIT2=2, MAXNREG=128)),
     ("triton_fd_xpre_rm_bk128_r96", dict(_FX128, ROWMAX=True, MAXNREG=96)),
     ("triton_fd_xpre_rm_bk128_s2_r96", dict(_FX128, SPLIT1=2, SPLIT2=2, ROWMAX=True, MAXNREG=96)),
+    # round 4: FOLD (kernels/moe.py): the combine inside the down kernel, the split-K SwiGLU
+    # sum inside the gate/up kernel (last program of a tile sums, fixed order) and the
+    # grouping + XPRE copy + counter zeroing in one prologue launch: 6 -> 3 launches at T = 1
+    ("triton_fd_xpre_bk128_s2_fold", dict(_FX128, SPLIT1=2, SPLIT2=2, FOLD=True)),
+    ("triton_fd_xpre_bk128_s2_r128_fold", dict(_FX128, SPLIT1=2, SPLIT2=2, MAXNREG=128, FOLD=True)),
+    ("triton_fd_xpre_bk128_fold", dict(_FX128, FOLD=True)),
+    ("triton_fd_xpre_bk128_r128_fold", dict(_FX128, MAXNREG=128, FOLD=True)),
+    # round 4, around the T = 64 MXFP4 best (bk128_r128): 4 stages, ROWMAX under the 128 cap,
+    # down tiles of 128 hidden columns, a 256-element down K step (sm_90, Triton 3.6: 128
+    # registers, 8-16 bytes of stack, no local spills)
+    ("triton_fd_xpre_bk128_r128_st4", dict(_FX128, MAXNREG=128, num_stages=4)),
+    ("triton_fd_xpre_rm_bk128_r128", dict(_FX128, ROWMAX=True, MAXNREG=128)),
+    ("triton_fd_xpre_bk128_r128_bn2_128", dict(_FX128, MAXNREG=128, BN2=128)),
+    ("triton_fd_xpre_bk128_r128_bk2_256", dict(_FX128, MAXNREG=128, BK2=256)),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
+# variants timed at some of VARIANT_TOKENS only (the rest: all of them), to keep the bench short
+VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_s2_r128_fold": (1,),
+                "triton_fd_xpre_bk128_r128_st4": (64,), "triton_fd_xpre_rm_bk128_r128": (64,),
+                "triton_fd_xpre_bk128_r128_bn2_128": (64,), "triton_fd_xpre_bk128_r128_bk2_256": (64,)}
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
@@ -161,6 +178,8 @@ def bench_moe(smoke: bool) -> list[dict]:
             default = dict(PLAIN, **config_for(T, k, E, fmt))
             for name, cfg in ([] if smoke or T not in VARIANT_TOKENS else VARIANTS):
                 if dict(PLAIN, **cfg) == default:     # the ``triton`` row times this config
+                    continue
+                if T not in VARIANT_ONLY.get(name, VARIANT_TOKENS):
                     continue
                 def run_variant(ex=ex, fmt=fmt, cfg=cfg):
                     return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
