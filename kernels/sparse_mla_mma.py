@@ -209,6 +209,33 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _softmax_update(s, m_i, l_i, acc, LAZY: tl.constexpr):
+    """The online-softmax update of one tile of base-2 scores, with the accumulator's
+    rescale: (m_i, l_i, acc, p). ``LAZY``: the running max only moves (and ``acc`` is only
+    rescaled) once some head's max grew by more than RESCALE_SLACK (first tile: always)."""
+    m_tile = tl.max(s, axis=1)
+    if LAZY:
+        grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
+        if grow > 0:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i += tl.sum(p, axis=1)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    return m_i, l_i, acc, p
+
+
+@triton.jit
 def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV: tl.constexpr,
                  BLOCK_D: tl.constexpr, LAZY: tl.constexpr, KDTYPE: tl.constexpr,
                  DOT_PREC: tl.constexpr, SPLIT_QK: tl.constexpr = False, live=True):
@@ -231,30 +258,8 @@ def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV: tl.constexpr,
         else:
             m_i, l_i, alpha, p = _softmax_step(s, m_i, l_i)
         acc = acc * alpha[:, None]
-        if DV < BLOCK_D:
-            v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
-        else:
-            v = k
-        return m_i, l_i, tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
-    m_tile = tl.max(s, axis=1)
-    if LAZY:
-        grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
-        if grow > 0:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i += tl.sum(p, axis=1)
     else:
-        m_new = tl.maximum(m_i, m_tile)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        m_i = m_new
+        m_i, l_i, acc, p = _softmax_update(s, m_i, l_i, acc, LAZY)
     if DV < BLOCK_D:
         v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
     else:
@@ -367,17 +372,6 @@ def _sparse_mla_mma_kernel(
                               BF16_MATH, KDTYPE)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
                                          BLOCK_D, LAZY, KDTYPE, DOT_PREC, SPLIT_QK, n0 < end)
-    elif SPLIT_QK:
-        # the default loop with the scores' dot split between the warp groups
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
-            valid = idx >= 0
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
-                              BF16_MATH, KDTYPE)
-            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
-                                         BLOCK_D, LAZY, KDTYPE, DOT_PREC, True, n0 < end)
     elif KQ_T:
         qt = tl.trans(q)
         for n0 in range(start, end, BLOCK_N):
@@ -397,37 +391,16 @@ def _sparse_mla_mma_kernel(
             rows = tl.where(valid, idx, 0).to(tl.int64)
             k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
                               BF16_MATH, KDTYPE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_tile = tl.max(s, axis=1)
-            if LAZY:
-                # rescale only when some head's max grew past the slack (first tile: always)
-                grow = tl.max(tl.where(m_tile > m_i + RESCALE_SLACK, 1, 0), axis=0)
-                if grow > 0:
-                    m_new = tl.maximum(m_i, m_tile)
-                    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                    l_i = l_i * alpha
-                    acc = acc * alpha[:, None]
-                    m_i = m_new
-                p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-                l_i += tl.sum(p, axis=1)
-            else:
-                m_new = tl.maximum(m_i, m_tile)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            if V_FROM_K:
-                if DV < BLOCK_D:
-                    v = tl.where(offs_d[None, :] < DV, k, 0.0).to(KDTYPE)
-                else:
-                    v = k
-            else:
+            if V_FROM_K:       # SPLIT_QK: the scores' dot split between the warp groups
+                m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
+                                             BLOCK_D, LAZY, KDTYPE, DOT_PREC, SPLIT_QK, n0 < end)
+            else:              # V padded apart from K (d_v < D): its own load
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_i, l_i, acc, p = _softmax_update(s, m_i, l_i, acc, LAZY)
                 v = tl.load(kv_ptr + rows[:, None] * D + offs_v[None, :],
                             mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0).to(KDTYPE)
-            acc = tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
+                acc = tl.dot(p.to(KDTYPE), v, acc, input_precision=DOT_PREC)
 
     has = l_i > 0
     if SPLIT:
