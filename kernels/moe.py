@@ -119,7 +119,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.kernels.moe_align import _align_body, align_buffers, align_kernel_fits, moe_align, num_blocks_max
+from dsv4lab.kernels.moe_align import (_align_body, align_buffers, align_kernel_fits, block_rows, moe_align,
+                                       num_blocks_max)
 
 X_PRESCALE = 2.0 ** -8      # x and activations enter the fp16 dot scaled by this
 W_OFFSET = 2.0 ** -14       # the fp16 bit trick yields value * 2**-14
@@ -404,11 +405,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
-    start = tl.load(block_start_ptr + b)
-    cnt = tl.load(block_count_ptr + b)
-    offs_m = tl.arange(0, BM)
-    mmask = offs_m < cnt
-    pair = tl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
+    start, cnt, offs_m, mmask, pair = block_rows(block_start_ptr, block_count_ptr,
+                                                 sorted_pair_ptr, b, BM)
     tok = (pair // TOPK).to(tl.int64)
     offs_n = pn * BN + tl.arange(0, BN)
     nmask = offs_n < I
@@ -577,11 +575,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
-    start = tl.load(block_start_ptr + b)
-    cnt = tl.load(block_count_ptr + b)
-    offs_m = tl.arange(0, BM)
-    mmask = offs_m < cnt
-    pair = tl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
+    start, cnt, offs_m, mmask, pair = block_rows(block_start_ptr, block_count_ptr,
+                                                 sorted_pair_ptr, b, BM)
     offs_n = pn * BN + tl.arange(0, BN)
     nmask = offs_n < H
     kb = tl.arange(0, BKH)

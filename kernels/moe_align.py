@@ -33,6 +33,18 @@ def num_blocks_max(P: int, E: int, BM: int) -> int:
 
 
 @triton.jit
+def block_rows(block_start_ptr, block_count_ptr, sorted_pair_ptr, b, BM: tl.constexpr):
+    """Inside a GEMM kernel, block ``b``'s rows: (start in sorted_pair, row count, row
+    offsets [BM], which of them are real, their pair ids: 0 for the padding rows)."""
+    start = tl.load(block_start_ptr + b)
+    cnt = tl.load(block_count_ptr + b)
+    offs_m = tl.arange(0, BM)
+    mmask = offs_m < cnt
+    pair = tl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
+    return start, cnt, offs_m, mmask, pair
+
+
+@triton.jit
 def _moe_align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
                       block_count_ptr, P, E, NB_MAX,
                       BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.moe import _moe_combine_kernel
-from dsv4lab.kernels.moe_align import moe_align
+from dsv4lab.kernels.moe_align import block_rows, moe_align
 
 # e2m1 x bf16 dot_scaled: Triton's decomposition (upcast + mma) needs an mma-capable GPU.
 MIN_CAPABILITY = (8, 0)
@@ -135,11 +135,8 @@ def _moe_scaled_gate_up_kernel(
     e = tl.load(block_expert_ptr + b)
     if e < 0:                                    # unused tail block of the fixed grid
         return
-    start = tl.load(block_start_ptr + b)
-    cnt = tl.load(block_count_ptr + b)
-    offs_m = tl.arange(0, BM)
-    mmask = offs_m < cnt
-    pair = tl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
+    start, cnt, offs_m, mmask, pair = block_rows(block_start_ptr, block_count_ptr,
+                                                 sorted_pair_ptr, b, BM)
     tok = (pair // TOPK).to(tl.int64)
     offs_n = pn * BN + tl.arange(0, BN)
     nmask = offs_n < I
@@ -221,11 +218,8 @@ def _moe_scaled_down_kernel(
     e = tl.load(block_expert_ptr + b)
     if e < 0:
         return
-    start = tl.load(block_start_ptr + b)
-    cnt = tl.load(block_count_ptr + b)
-    offs_m = tl.arange(0, BM)
-    mmask = offs_m < cnt
-    pair = tl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
+    start, cnt, offs_m, mmask, pair = block_rows(block_start_ptr, block_count_ptr,
+                                                 sorted_pair_ptr, b, BM)
     offs_n = pn * BN + tl.arange(0, BN)
     nmask = offs_n < H
     kb = tl.arange(0, BK // 2)
