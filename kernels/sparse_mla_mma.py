@@ -199,6 +199,13 @@ def _trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_slots(idx_row, n0, end, BLOCK_N: tl.constexpr):
+    """Slots n0 .. n0 + BLOCK_N - 1 of one query's index list (-1 from ``end`` on)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(idx_row + offs, mask=offs < end, other=-1)
+
+
+@triton.jit
 def _softmax_step(s, m_i, l_i):
     """Online softmax on one tile of base-2 scores: (new max, new sum, alpha, p)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -335,21 +342,20 @@ def _sparse_mla_mma_kernel(
     end = tl.minimum(start + split_rows, topk)
     # skip the trailing -1 tiles (an all -1 tile adds nothing: p = 0, alpha = 1); a
     # branch around the loop body instead would stop Triton pipelining the KV gathers
-    end = _trim_tail(idx_ptr + bs * topk, start, end, SCAN_N)
+    idx_row = idx_ptr + bs * topk
+    end = _trim_tail(idx_row, start, end, SCAN_N)
     if PREFETCH:
         # software pipeline in registers: tile i+1's index and row loads are issued before
         # tile i's math, so their latency hides behind two MMAs and a softmax (Triton's
         # pipeliner does not multi-buffer these data-dependent row gathers)
-        offs_n = start + tl.arange(0, BLOCK_N)
-        idx_c = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+        idx_c = _tile_slots(idx_row, start, end, BLOCK_N)
         rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
                                     idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE,
                                     FP8_HW == 2)
         for n0 in range(start, end, BLOCK_N):
             valid = idx_c >= 0
             k = _dequant_kv(rb, rs, rr, BLOCK_N, BLOCK_D, FP8, FP8_HW, BF16_MATH, KDTYPE)
-            offs_nx = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-            idx_c = tl.load(idx_ptr + bs * topk + offs_nx, mask=offs_nx < end, other=-1)
+            idx_c = _tile_slots(idx_row, n0 + BLOCK_N, end, BLOCK_N)
             rb, rs, rr = _gather_kv_raw(kv_ptr, tl.where(idx_c >= 0, idx_c, 0).to(tl.int64),
                                         idx_c >= 0, offs_d, D, BLOCK_D, FP8, KDTYPE,
                                     FP8_HW == 2)
@@ -360,14 +366,12 @@ def _sparse_mla_mma_kernel(
         # row gather's addresses depend on no load of its own iteration: Triton's pipeliner
         # then gives the gather the full num_stages - 1 tiles of lead (a cp.async into
         # num_stages shared buffers) instead of splitting it with the index load
-        offs_n = start + tl.arange(0, BLOCK_N)
-        idx_n = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+        idx_n = _tile_slots(idx_row, start, end, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             idx = idx_n
             valid = idx >= 0
             rows = tl.where(valid, idx, 0).to(tl.int64)
-            offs_nx = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
-            idx_n = tl.load(idx_ptr + bs * topk + offs_nx, mask=offs_nx < end, other=-1)
+            idx_n = _tile_slots(idx_row, n0 + BLOCK_N, end, BLOCK_N)
             k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
                               BF16_MATH, KDTYPE)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, offs_d, DV,
@@ -375,8 +379,7 @@ def _sparse_mla_mma_kernel(
     elif KQ_T:
         qt = tl.trans(q)
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+            idx = _tile_slots(idx_row, n0, end, BLOCK_N)
             valid = idx >= 0
             rows = tl.where(valid, idx, 0).to(tl.int64)
             k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
@@ -385,8 +388,7 @@ def _sparse_mla_mma_kernel(
                                            BLOCK_D, KDTYPE, DOT_PREC)
     else:
         for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            idx = tl.load(idx_ptr + bs * topk + offs_n, mask=offs_n < end, other=-1)
+            idx = _tile_slots(idx_row, n0, end, BLOCK_N)
             valid = idx >= 0
             rows = tl.where(valid, idx, 0).to(tl.int64)
             k = _load_kv_tile(kv_ptr, rows, valid, offs_d, D, BLOCK_N, BLOCK_D, FP8, FP8_HW,
