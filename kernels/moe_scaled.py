@@ -113,6 +113,16 @@ def _permute_bytes(p, BN: tl.constexpr, BK: tl.constexpr, PERMK: tl.constexpr):
 
 
 @triton.jit
+def _dot_operand(v, DOT_FMT: tl.constexpr):
+    """The tokens' side of the scaled dot in its format ("fp16" or "bf16")."""
+    if DOT_FMT == "fp16":
+        v = v.to(tl.float16)
+    else:
+        v = v.to(tl.bfloat16)
+    return v
+
+
+@triton.jit
 def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
     """silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u; fp32."""
     if HAS_LIMIT:
@@ -156,10 +166,7 @@ def _moe_scaled_gate_up_kernel(
     for k1 in range(0, K1_SPLIT, BK):
         k0 = sp * K1_SPLIT + k1
         xv = tl.load(xt + k0, mask=mmask[None, :], other=0.0)
-        if DOT_FMT == "fp16":
-            xv = xv.to(tl.float16)
-        else:
-            xv = xv.to(tl.bfloat16)
+        xv = _dot_operand(xv, DOT_FMT)
         g = _permute_bytes(tl.load(wg + k0 // 2, mask=nmask[:, None], other=0), BN, BK, PERMK)
         gs = tl.load(sg + k0 // 32, mask=nmask[:, None], other=0)
         acc_g = tl.dot_scaled(g, gs, "e2m1", xv, None, DOT_FMT, acc_g, fast_math=FAST_MATH)
@@ -234,10 +241,7 @@ def _moe_scaled_down_kernel(
     for k1 in range(0, K_SPLIT, BK):
         k0 = kbase + k1
         av = tl.load(at + k0, mask=mmask[None, :], other=0.0)
-        if DOT_FMT == "fp16":
-            av = av.to(tl.float16)
-        else:
-            av = av.to(tl.bfloat16)
+        av = _dot_operand(av, DOT_FMT)
         w = _permute_bytes(tl.load(w_rows + k0 // 2, mask=nmask[:, None], other=0), BN, BK, PERMK)
         ws = tl.load(s_rows + k0 // 32, mask=nmask[:, None], other=0)
         acc = tl.dot_scaled(w, ws, "e2m1", av, None, DOT_FMT, acc, fast_math=FAST_MATH)
