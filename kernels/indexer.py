@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4lab.kernels.device import sm_count
+
 # How the indexer matmul runs (DOT_MODE): the wider of q's and k's dtypes.
 DOT_FP8 = 0    # e4m3 x e4m3 tensor-core dot, fp32 accumulate (sm_89+)
 DOT_BF16 = 1   # operands upcast to bf16 (e4m3 -> bf16 is exact), fp32 accumulate
@@ -264,18 +266,6 @@ def _topk_kernel(logits_ptr, cl_ptr, out_ptr,
 
 # ------------------------------------------------------------------------ launchers
 
-_SM_COUNT = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _interpreting(device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -424,7 +414,7 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
         BLOCK_N = 16
     BLOCK_D = min(D_PAD, cfg["block_d"] or D_PAD)
     rows = B * S
-    splits = logits_splits(rows, L, BLOCK_N, cfg["programs_per_sm"], _sm_count(q.device))
+    splits = logits_splits(rows, L, BLOCK_N, cfg["programs_per_sm"], sm_count(q.device, cpu=4))
     n_bound = min(L, block_table.shape[1] * page)
     if fill_tail:
         skip_upto = -1              # every visible column is scored when the tail is filled

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4lab.kernels.device import sm_count
+
 
 @triton.jit
 def _mhc_pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
@@ -139,17 +141,7 @@ def _mhc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D,
 
 # ------------------------------------------------------------------------- launchers
 
-_SM_COUNT: dict[int, int] = {}
 _PRE_STAGES = [3]        # loop pipelining depth of mhc_pre's two passes (1 = none)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor | None,
@@ -172,7 +164,7 @@ def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: tor
     BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 2048 // NP))
     n_blocks = triton.cdiv(d, BLOCK_D)
     if split is None:
-        split = max(1, min(n_blocks, triton.cdiv(2 * _sm_count(x.device), T)))
+        split = max(1, min(n_blocks, triton.cdiv(2 * sm_count(x.device, cpu=1), T)))
     split = max(1, min(split, n_blocks))
     per = triton.cdiv(n_blocks, split)
     split = triton.cdiv(n_blocks, per)

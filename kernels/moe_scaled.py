@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4lab.kernels.device import sm_count
 from dsv4lab.kernels.moe import _moe_combine_kernel
 from dsv4lab.kernels.moe_align import block_rows, moe_align
 
@@ -305,7 +306,7 @@ def _pick_split(steps: int, want: int) -> int:
 def _auto_split1(programs: int, steps: int, device: torch.device) -> int:
     """Split-K slices for the gate/up kernel so that ~4 programs an SM are launched
     (decode: 6 experts x 32 column tiles are too few for 132 SMs); a power of two <= 8."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device, cpu=4)
     s = 1
     while s < 8 and programs * s < 4 * sms and steps % (2 * s) == 0:
         s *= 2

@@ -90,6 +90,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4lab.kernels.device import sm_count
+
 LOG2E = 1.4426950408889634
 FP8_ROW_BYTES = 584      # 448 e4m3 + 64 bf16 + 7 ue8m0 scales + 1 pad
 FP8_DIM = 512
@@ -615,7 +617,6 @@ _CANDIDATES = {
                    16: [Config(32, 4, 1, 16), Config(32, 4, 2, 16), Config(16, 4, 2, 16)]},
 }
 _TUNED: dict = {}          # (device, workload key) -> Config
-_SM_COUNT: dict = {}
 INTERPRETER_BLOCK_N = 16   # small tiles in the interpreter so topk spans several of them
 SPLIT_ROWS_MULTIPLE = 64   # split ranges are multiples of every BLOCK_N candidate
 SCAN_N = 512               # slots per load when looking for a split's last valid slot
@@ -624,15 +625,6 @@ SCAN_N = 512               # slots per load when looking for a split's last vali
 def _is_interpreter():
     import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 8           # the interpreter: pretend a small GPU so split-KV gets exercised
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SM_COUNT[key]
 
 
 def plan_splits(n_programs: int, topk: int, sm_count: int) -> tuple[int, int]:
@@ -708,7 +700,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     if num_splits is None and config is not None and config.splits:
         num_splits = config.splits
     if num_splits is None:
-        splits, split_rows = plan_splits(n_prog, topk, _sm_count(dev))
+        splits, split_rows = plan_splits(n_prog, topk, sm_count(dev, cpu=8))   # CPU: a small GPU, so split-KV runs
     else:
         splits, split_rows = _split_rows(num_splits, topk)
 
