@@ -1,8 +1,9 @@
 """DeepSeek-V4 in small, flat torch (gpt-fast style).
 
-One file, read top-down: helpers (RMSNorm, RoPE, the mHC Sinkhorn mixing), then the
-attention (low-rank queries, one shared latent KV, sliding window + compressed entries,
-the lightning indexer), the MoE, the decoder block, the MTP draft layer, the model.
+One file, read top-down: helpers (RMSNorm, RoPE, the mHC hyper-connections, whose
+Sinkhorn mixing is :mod:`dsv4lab.ops.mhc`), then the attention (low-rank queries, one
+shared latent KV, sliding window + compressed entries, the lightning indexer), the MoE,
+the decoder block, the MTP draft layer, the model.
 
 Every module has two forwards:
 
@@ -66,7 +67,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dsv4lab import ops, quant
-from dsv4lab.ops import mhc as _mhc_ops
 from dsv4lab.config import DSV4Config
 from dsv4lab.ops.moe import swiglu   # the clamped SwiGLU of the MoE op (limit None or > 0)
 
@@ -138,12 +138,6 @@ def rope_tail(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float,
     r1, r2 = r[..., :half], r[..., half:]
     rot = torch.cat([r1 * cos - r2 * sin, r1 * sin + r2 * cos], dim=-1)
     return torch.cat([nope, rot.to(x.dtype)], dim=-1)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float = 1e-6) -> torch.Tensor:
-    """[.., n, n] logits -> a (nearly) doubly stochastic matrix: softmax, then alternate
-    column and row normalisation (the torch reference, :func:`dsv4lab.ops.mhc.sinkhorn`)."""
-    return _mhc_ops.sinkhorn(logits, iters, eps)
 
 
 class HyperConnection(nn.Module):

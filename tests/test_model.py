@@ -15,7 +15,8 @@ import torch
 from dsv4lab.config import DSV4Config
 from dsv4lab.engine import Engine
 from dsv4lab.model import (DSV4, Block, HyperConnection, LayerCache, load_checkpoint, make_meta,
-                           save_checkpoint, sinkhorn, tiny_config)
+                           save_checkpoint, tiny_config)
+from dsv4lab.ops.mhc import sinkhorn
 from dsv4lab import ops
 
 from _model_support import TORCH, TRITON, _one_thread  # noqa: F401  (autouse fixture)
