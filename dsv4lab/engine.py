@@ -253,7 +253,8 @@ class Engine:
     """Greedy generation from a :class:`~dsv4lab.model.DSV4` with a paged cache.
 
     ``backends`` / ``draft_backends``: op name -> backend for the main model / the MTP
-    layer ("sparse_mla_decode", "indexer_topk", "fused_moe"; missing = "auto").
+    layer (the keys of :data:`dsv4lab.model.OPS`: "sparse_mla_decode", "indexer_topk", "fused_moe",
+    "mhc", "linear"; missing = "auto").
     ``kv_format``: "bf16" (the model dtype) or "fp8" (584-byte rows; head_dim 512 only).
     ``cuda_graphs``: capture each step (default: on a GPU). ``dtype``: the model's float
     dtype for decoding (default fp32). ``cpu_threads``: torch intra-op threads while

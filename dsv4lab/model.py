@@ -12,9 +12,11 @@ Every module has two forwards:
 - ``forward_decode``: a few new tokens per request against a paged cache; attention goes
   through :func:`dsv4lab.ops.sparse_mla_decode`, the CSA top-k through
   :func:`dsv4lab.ops.indexer_topk`, the MoE through :func:`dsv4lab.ops.route` /
-  :func:`dsv4lab.ops.hash_route` and :func:`dsv4lab.ops.fused_moe`. The backend of each op
-  comes from a ``backends`` dict (op name -> backend name, missing = "auto"). No host
-  synchronisation, fixed shapes: one CUDA graph can hold a whole decode step.
+  :func:`dsv4lab.ops.hash_route` and :func:`dsv4lab.ops.fused_moe`, the projections
+  through :func:`dsv4lab.ops.linear` (one launch for the 1 + k rows of a step, see
+  ``_lin``). The backend of each op comes from a ``backends`` dict (op name -> backend
+  name, missing = "auto"). No host synchronisation, fixed shapes: one CUDA graph can hold
+  a whole decode step.
 
 Architecture (DESIGN.md, "DeepSeek-V4-Flash facts"):
 
@@ -70,7 +72,7 @@ from dsv4lab import ops, quant
 from dsv4lab.config import DSV4Config
 from dsv4lab.ops.moe import swiglu   # the clamped SwiGLU of the MoE op (limit None or > 0)
 
-OPS = ("sparse_mla_decode", "indexer_topk", "fused_moe", "mhc")
+OPS = ("sparse_mla_decode", "indexer_topk", "fused_moe", "mhc", "linear")
 EXPERT_FORMATS = ("bf16", "mxfp4", "nvfp4")
 
 
@@ -195,6 +197,17 @@ class HCHead(nn.Module):
 
 def _linear(i: int, o: int) -> nn.Linear:
     return nn.Linear(i, o, bias=False)
+
+
+def _lin(module: nn.Linear, x: torch.Tensor, backends: dict | None) -> torch.Tensor:
+    """``module(x)``; on the decode path (``backends`` a dict) through :func:`dsv4lab.ops.linear`
+    with backend ``backends["linear"]`` (the one-launch small-M kernel for a few rows).
+    ``backends=None`` (the training forwards) is the plain ``nn.Linear``."""
+    if backends is None:
+        return module(x)
+    w = module.weight
+    y = ops.linear(x.reshape(-1, x.shape[-1]), w, backend=backends.get("linear", "auto"))
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 # ======================================================================================
@@ -338,9 +351,9 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, out_dim))
         self.norm = RMSNorm(out_dim, eps)
 
-    def project(self, x):
+    def project(self, x, backends: dict | None = None):
         """Per-token state: (kv, gate), each [.., out_dim]."""
-        return self.wkv(x), self.wgate(x)
+        return _lin(self.wkv, x, backends), _lin(self.wgate, x, backends)
 
     def pool(self, kv, gate, first_pos, memo=None):
         """kv, gate [.., r, out] (the block's tokens in order) -> entry [.., out], RoPE'd at
@@ -375,11 +388,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, self.rope_dim,
                                      cfg.rope_theta, cfg.rms_norm_eps)
 
-    def queries(self, x, qr, pos, memo=None):
+    def queries(self, x, qr, pos, memo=None, backends: dict | None = None):
         """-> q [.., Hi, Di], weights [.., Hi] fp32 (with both softmax scales folded in)."""
-        q = self.wq(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = _lin(self.wq, qr, backends).unflatten(-1, (self.n_heads, self.head_dim))
         q = rope_tail(q, pos, self.rope_dim, self.theta, heads=True, memo=memo)
-        w = self.wweights(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
+        w = _lin(self.wweights, x, backends).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         return q, w
 
     def logits_train(self, x, qr, pos):
@@ -415,21 +428,22 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg) if self.ratio == 4 else None
 
     # ---- pieces shared by both forwards ------------------------------------------------
-    def _qkv(self, x, pos, memo=None):
+    def _qkv(self, x, pos, memo=None, backends: dict | None = None):
         cfg = self.cfg
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        qr = self.q_norm(_lin(self.wq_a, x, backends))
+        q = _lin(self.wq_b, qr, backends).unflatten(-1, (self.n_heads, self.head_dim))
         q = rope_tail(rms_norm(q, None, cfg.rms_norm_eps), pos, self.rope_dim, cfg.rope_theta,
                       heads=True, memo=memo)
-        kv = rope_tail(self.kv_norm(self.wkv(x)), pos, self.rope_dim, cfg.rope_theta, memo=memo)
+        kv = rope_tail(self.kv_norm(_lin(self.wkv, x, backends)), pos, self.rope_dim, cfg.rope_theta,
+                       memo=memo)
         return qr, q, kv
 
-    def _out(self, o, pos, memo=None):
+    def _out(self, o, pos, memo=None, backends: dict | None = None):
         """o [.., H, D] -> undo RoPE on the tail, grouped output projection -> [.., d]."""
         o = rope_tail(o, pos, self.rope_dim, self.cfg.rope_theta, inverse=True, heads=True, memo=memo)
         o = o.flatten(-2).unflatten(-1, (self.o_groups, -1))                 # [.., G, H/G*D]
         o = torch.einsum("...gk,gok->...go", o, self.wo_a.to(o.dtype))
-        return self.wo_b(o.flatten(-2))
+        return _lin(self.wo_b, o.flatten(-2), backends)
 
     # ---- training: full sequences ----------------------------------------------------
     def forward_train(self, x: torch.Tensor):
@@ -480,13 +494,13 @@ class Attention(nn.Module):
         """x [B, S, d] at ``meta.positions`` -> [B, S, d]; writes this layer's cache."""
         backends = backends or {}
         pos, memo = meta.positions, meta.memo
-        qr, q, kv = self._qkv(x, pos, memo)
+        qr, q, kv = self._qkv(x, pos, memo, backends)
         kv_flat = cache.kv if cache.fp8 else _flat(cache.kv)
         self._write(kv_flat, meta.slots, kv, cache.fp8)
         parts = [meta.window]
         if self.ratio:
             r = self.ratio
-            ckv, cgate = self.compressor.project(x)
+            ckv, cgate = self.compressor.project(x, backends)
             _flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
             _flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
             bs = meta.block_slots[r]
@@ -502,7 +516,7 @@ class Attention(nn.Module):
         o, _ = ops.sparse_mla_decode(
             q.to(x.dtype), kv_arg, idx, d_v=self.head_dim, softmax_scale=self.scale,
             attn_sink=self.attn_sink.float(), backend=backends.get("sparse_mla_decode", "auto"))
-        return self._out(o.to(x.dtype), pos, memo)
+        return self._out(o.to(x.dtype), pos, memo, backends)
 
     @staticmethod
     def _write(kv_flat, slots, values, fp8):
@@ -515,7 +529,7 @@ class Attention(nn.Module):
         """CSA: write the indexer's keys, let the indexer choose top-k entries -> slots."""
         ix = self.indexer
         pos = meta.positions
-        ikv, igate = ix.compressor.project(x)
+        ikv, igate = ix.compressor.project(x, backends)
         _flat(cache.idx_kv)[meta.slots] = ikv.to(cache.idx_kv.dtype)
         _flat(cache.idx_gate)[meta.slots] = igate.to(cache.idx_gate.dtype)
         bs = meta.block_slots[4]
@@ -529,7 +543,7 @@ class Attention(nn.Module):
             cache.idx_scale.view(-1)[es] = sc
         else:
             _flat(cache.idx_keys)[es] = key.to(cache.idx_keys.dtype)
-        q, w = ix.queries(x, qr, pos, meta.memo)
+        q, w = ix.queries(x, qr, pos, meta.memo, backends)
         qdt = torch.float32 if cache.idx_keys.dtype == torch.float32 else torch.bfloat16
         top = ops.indexer_topk(
             q.to(qdt), cache.idx_keys, cache.idx_scale, w, meta.cblock_table,
@@ -551,8 +565,8 @@ class MLP(nn.Module):
         self.w13 = _linear(dim, 2 * inter)
         self.w2 = _linear(inter, dim)
 
-    def forward(self, x):
-        return self.w2(swiglu(self.w13(x), self.limit))
+    def forward(self, x, backends: dict | None = None):
+        return _lin(self.w2, swiglu(_lin(self.w13, x, backends), self.limit), backends)
 
 
 class MoE(nn.Module):
@@ -681,11 +695,11 @@ class MoE(nn.Module):
             y = y + self.shared(x2)
         return y.view(shape)
 
-    def route_decode(self, x, tokens):
+    def route_decode(self, x, tokens, backends: dict | None = None):
         """x [T, d], tokens [T] -> (ids int32 [T, k], weights fp32 [T, k]) through
         ops.hash_route (hash layers) or ops.route; both are CUDA-graph capturable."""
         cfg = self.cfg
-        logits = self.gate(x).float()
+        logits = _lin(self.gate, x, backends).float()
         if self.hashed:
             return ops.hash_route(tokens.reshape(-1), self.tid2eid, logits, score=cfg.score_func,
                                   routed_scaling_factor=cfg.routed_scaling_factor)
@@ -695,7 +709,7 @@ class MoE(nn.Module):
     def forward_decode(self, x, tokens, backends: dict | None = None):
         """x [T, d], tokens [T] -> [T, d] through ops.route/hash_route and ops.fused_moe."""
         backends = backends or {}
-        ids, w = self.route_decode(x, tokens)
+        ids, w = self.route_decode(x, tokens, backends)
         if self.fmt == "bf16":
             combine = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=torch.float32)
             combine.scatter_(1, ids.long(), w)
@@ -708,7 +722,7 @@ class MoE(nn.Module):
                               fmt=self.fmt, swiglu_limit=self.limit,
                               backend=backends.get("fused_moe", "auto"), **kw)
         if self.shared is not None:
-            y = y + self.shared(x)
+            y = y + self.shared(x, backends)
         return y.to(x.dtype)
 
 
@@ -772,8 +786,9 @@ class MTP(nn.Module):
         self.hc_head = HCHead(cfg.hc_mult, d)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def _input(self, h, e):
-        return self.h_proj(self.hnorm(h)) + self.e_proj(self.enorm(e)).unsqueeze(-2)
+    def _input(self, h, e, backends: dict | None = None):
+        return (_lin(self.h_proj, self.hnorm(h), backends)
+                + _lin(self.e_proj, self.enorm(e), backends).unsqueeze(-2))
 
 
 class DSV4(nn.Module):
@@ -817,7 +832,7 @@ class DSV4(nn.Module):
 
     def logits(self, x, backends: dict | None = None):
         """streams [.., n, d] -> logits [.., vocab] (fp32)."""
-        return self.head(self.norm(self.hc_head(x, backends))).float()
+        return _lin(self.head, self.norm(self.hc_head(x, backends)), backends).float()
 
     # ---- training ---------------------------------------------------------------------
     def forward_train(self, tokens: torch.Tensor):
@@ -868,6 +883,7 @@ class DSV4(nn.Module):
     # ---- decode -----------------------------------------------------------------------
     def forward_decode(self, tokens, meta: DecodeMeta, caches: list, backends: dict | None = None):
         """tokens [B, S] at ``meta.positions`` -> (logits [B, S, V] fp32, streams [B, S, n, d])."""
+        backends = {} if backends is None else backends
         x = self.embed(tokens).unsqueeze(-2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.layers, caches):
             x = layer.forward_decode(x, tokens, meta, cache, backends)
@@ -877,10 +893,11 @@ class DSV4(nn.Module):
                            backends: dict | None = None, k: int = 0):
         """The draft layer at ``meta.positions``: (streams [B, S, n, d] at p, token p+1)
         -> (logits for token p+2, MTP streams)."""
+        backends = {} if backends is None else backends
         m = self.mtp[k]
-        x = m._input(streams, self.embed(next_tokens))
+        x = m._input(streams, self.embed(next_tokens), backends)
         x = m.block.forward_decode(x, next_tokens, meta, cache, backends)
-        return self.head(m.norm(m.hc_head(x, backends))).float(), x
+        return _lin(self.head, m.norm(m.hc_head(x, backends)), backends).float(), x
 
     def ratios(self) -> list[int]:
         """Compress ratio of each main layer, then the MTP layer's."""

@@ -725,7 +725,7 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
     mark("mhc")
     h = blk.attn_norm(y)
     pos = meta.positions
-    qr, q, kv = attn._qkv(h, pos)
+    qr, q, kv = attn._qkv(h, pos, backends=be)
     idx = write_and_select(attn, h, qr, kv, meta, cache, be, mark)
     o, _ = ops.sparse_mla_decode(
         q.to(h.dtype), cache.kv, idx, d_v=attn.head_dim, softmax_scale=attn.scale,
@@ -733,7 +733,7 @@ def layer_forward(blk: M.Block, x, tokens, meta: M.DecodeMeta, cache: M.LayerCac
     mark("attention")
     if taps is not None:
         taps["attention"] = o
-    a = attn._out(o.to(h.dtype), pos)
+    a = attn._out(o.to(h.dtype), pos, backends=be)
     mark("out_proj")
     x = M.HyperConnection.post(a, x, post, comb, be)
     y, post, comb = blk.hc_ffn.pre(x, be)
@@ -764,7 +764,7 @@ def write_and_select(attn: M.Attention, h, qr, kv, meta: M.DecodeMeta, cache: M.
     parts = [meta.window]
     if attn.ratio:
         r = attn.ratio
-        ckv, cgate = attn.compressor.project(h)
+        ckv, cgate = attn.compressor.project(h, be)
         M._flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
         M._flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
         bs = meta.block_slots[r]

@@ -253,14 +253,20 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
 
 
 @triton.jit
-def _row_smax(s_tile, nmask, KS, NSC: tl.constexpr):
-    """ROWMAX: the largest MXFP4 scale byte of each row over KS scale bytes, read with the
-    K loop's own [BN, NSC] scale tile (KS is a multiple of NSC). ``2**(s - smax + 15)`` then
-    stays exact for blocks within 2**24 of the row's largest over the slice (flushed below
-    2**-29 of it: a contribution under 2**-29 of the row's largest block's, per block)."""
-    m = tl.max(tl.load(s_tile, mask=nmask[:, None], other=0).to(tl.int32), axis=1)
-    for k in range(NSC, KS, NSC):
-        m = tl.maximum(m, tl.max(tl.load(s_tile + k, mask=nmask[:, None], other=0).to(tl.int32), axis=1))
+def _row_smax(s_row, nmask, KS, RKC: tl.constexpr):
+    """ROWMAX: the largest MXFP4 scale byte of each row over its KS scale bytes (``s_row``:
+    [BN] pointers to each row's first scale byte of the slice), read RKC bytes a row at a
+    time: one wide load a row for Flash's slices (KS <= RKC = 128), where a loop over the K
+    loop's own [BN, BKH // GS] scale tiles paid one memory latency per step before the first
+    weight byte was read. ``2**(s - smax + 15)`` then stays exact for blocks within 2**24 of
+    the row's largest over the slice (flushed below 2**-29 of it: a contribution under 2**-29
+    of the row's largest block's, per block)."""
+    kc = tl.arange(0, RKC)
+    m = tl.zeros(nmask.shape, dtype=tl.int32)
+    for k0 in range(0, KS, RKC):
+        sb = tl.load(s_row[:, None] + (k0 + kc)[None, :],
+                     mask=nmask[:, None] & (kc < KS - k0)[None, :], other=0)
+        m = tl.maximum(m, tl.max(sb.to(tl.int32), axis=1))
     return m
 
 
@@ -398,7 +404,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         DECODE32: tl.constexpr = False, FASTDEC: tl.constexpr = False,
                         XPRE: tl.constexpr = False, PARTIAL: tl.constexpr = False,
                         ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                        FOLD: tl.constexpr = False):
+                        FOLD: tl.constexpr = False, RKC: tl.constexpr = 16):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -458,8 +464,9 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
         smax_g = tl.zeros((BN,), dtype=tl.int32)
         smax_u = tl.zeros((BN,), dtype=tl.int32)
         if ROWMAX:
-            smax_g = _row_smax(sg, nmask, KS_SPLIT, BKH // GS)
-            smax_u = _row_smax(su, nmask, KS_SPLIT, BKH // GS)
+            srow_g = s_ptr + srow + sp * KS_SPLIT
+            smax_g = _row_smax(srow_g, nmask, KS_SPLIT, RKC)
+            smax_u = _row_smax(srow_g + I * stride_sn, nmask, KS_SPLIT, RKC)
         for k1 in range(0, KH_SPLIT, BKH):
             if XPRE:
                 xe, xo = _x_tile_pre(x_rows, k1, XO_OFF, mmask)
@@ -568,7 +575,7 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
                      BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False,
                      FASTDEC: tl.constexpr = False, XPRE: tl.constexpr = False,
                      ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                     FOLD: tl.constexpr = False):
+                     FOLD: tl.constexpr = False, RKC: tl.constexpr = 16):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -611,7 +618,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
         # CHAIN = IS_NV or ROWMAX, from the launcher: see the gate/up loop
         smax = tl.zeros((BN,), dtype=tl.int32)
         if ROWMAX:
-            smax = _row_smax(s_rows, nmask, KS_SPLIT, BKH // GS)
+            smax = _row_smax(s_ptr + e64 * stride_se + offs_n.to(tl.int64) * stride_sn + sp * KS_SPLIT,
+                             nmask, KS_SPLIT, RKC)
         for k1 in range(0, KH_SPLIT, BKH):
             if XPRE:
                 xe, xo = _x_tile_pre(a_rows, k1, XO_OFF, mmask)
@@ -788,8 +796,9 @@ _DOT16 = dict(BM=16, BK1=256, BK2=256, USE_DOT=True, num_warps=4, num_stages=3)
 #   T=64  mxfp4 BK 128: 1060 (0.48); nvfp4 BK 256: 997.7 (0.54)     [default tiles: 2366 / 2464]
 #   T=8 and T=256 take the T=1 / T=64 winners untimed; their default rows re-measure them.
 # So at decode (<= 16 rows per expert) the default is FASTDEC + XPRE (+ SPLIT1/SPLIT2 = 2 and
-# BK 128 at <= 1 row per expert; BK 128 for MXFP4 above); SWAP_AB, DECODE32 and ROWMAX stay
-# bench/test variants; prefill keeps the plain byte decode.
+# BK 128 at <= 1 row per expert; BK 128 for MXFP4 above); SWAP_AB and DECODE32 stay
+# bench/test variants (ROWMAX too, but for MXFP4 at T = 64: see _FX128_RM); prefill keeps the
+# plain byte decode.
 # PLAIN: the former decode default (BK 256, BN 64/64, byte decode, strided x, no split-K),
 # every key explicit: the neutral base that tests build variants on and the bench's
 # ``triton_plain`` reference row (a config given to fused_moe overrides config_for's entries,
@@ -799,9 +808,16 @@ PLAIN = dict(_DOT16, BN1=64, BN2=64, SPLIT1=1, SPLIT2=1, SWAP_AB=False, DECODE32
 _FX = dict(_DOT16, BN1=64, BN2=64, FASTDEC=True, XPRE=True, SPLIT1=1, SPLIT2=1)
 _FX128 = dict(_FX, BK1=128, BK2=128)
 _FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
+# Session 3 (H200, scripts/tune_moe.py, 164 experts hit at T = 64, CUDA-graph medians, each
+# re-timed in a second sweep to within 0.1%): MXFP4 at T = 64 with ROWMAX (its row max now one
+# wide load a row), a 256-element down K step and 128 hidden columns a down program: 1052.5 /
+# 1058.1 us (BN2 64) against 1080.5 us for _FX128 (-2.6%); ROWMAX alone at BK2 128 was slower
+# (1258.9). NVFP4 keeps _FX (ROWMAX does not apply to it). T = 1: no config beat _FX128_S2
+# (deeper pipelines, split-K 4, BN 32, swap AB, the CUDA-core path: all slower).
+_FX128_RM = dict(_FX128, BN2=128, BK2=256, ROWMAX=True)
 CONFIGS = [
     (1.0, dict(mxfp4=_FX128_S2, nvfp4=_FX128_S2)),             # T=1, T=8
-    (2.0, dict(mxfp4=_FX128, nvfp4=_FX)),                      # T=64
+    (2.0, dict(mxfp4=_FX128_RM, nvfp4=_FX)),                   # T=64
     (16.0, dict(mxfp4=_FX128, nvfp4=_FX)),                     # T=256
     (float("inf"), {f: dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
                             num_warps=4, num_stages=3) for f in ("mxfp4", "nvfp4")}),
@@ -833,6 +849,14 @@ def _pick_bk(K: int, want: int) -> int:
     while bk > 32 and K % bk:
         bk //= 2
     return bk
+
+
+ROW_CHUNK = 128     # ROWMAX: at most this many scale bytes a row in one load of _row_smax
+
+
+def _row_chunk(ks: int, rowmax: bool) -> int:
+    """ROWMAX: scale bytes a row read at once by _row_smax (the whole slice, up to ROW_CHUNK)."""
+    return min(ROW_CHUNK, triton.next_power_of_2(max(1, ks))) if rowmax else 16
 
 
 def _pick_split(steps: int, want: int) -> int:
@@ -962,7 +986,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
         SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1, FASTDEC=fast,
         XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        FOLD=fold and split1 > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
+        FOLD=fold and split1 > 1, RKC=_row_chunk(H // 2 // split1 // GS, rowmax),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
     if split1 > 1 and not fold:
         BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
         _moe_swiglu_kernel[(nbm, triton.cdiv(I, BI))](
@@ -977,7 +1002,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         ypair.stride(1), ypair.stride(0), ids, out, sem_dn, E, topk, out.stride(0),
         IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
         DECODE32=dec2, FASTDEC=fast, XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        FOLD=fold, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
+        FOLD=fold, RKC=_row_chunk(I // 2 // split // GS, rowmax),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
     if not fold:
         BH = min(1024, triton.next_power_of_2(H))
         _moe_combine_kernel[(T, triton.cdiv(H, BH))](

@@ -38,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cases", nargs="*", default=None, help="names to profile (default: all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -45,6 +46,8 @@ def main() -> None:
     ex = _random_experts(E, H, I, "mxfp4", dev, gen)
     cases = [("triton", "triton", None)] + [(name, "triton", cfg) for name, cfg in VARIANTS] \
         + [("triton_scaled", "triton_scaled", None)]
+    if args.cases:
+        cases = [c for c in cases if c[0] in args.cases]
     for T in args.tokens:
         ids, w = route(torch.randn(T, E, device=dev, generator=gen), None, topk=k)
         x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)

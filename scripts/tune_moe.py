@@ -95,6 +95,57 @@ CANDIDATES = [
     _c(num_stages=4),
     _c(BM=32, BN1=64, BN2=64, BK1=128, BK2=128),
     _c(USE_DOT=False, BM=1, BN1=16, BN2=16, BK1=256, BK2=256),
+    # round 5 (session 3): the CUDA-core path (no M padding to 16) with the round-2 decode
+    # (FASTDEC + XPRE) at T = 1, and combinations around the T = 64 MXFP4 best
+    _c(USE_DOT=False, BM=1, FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(USE_DOT=False, BM=1, FASTDEC=True, XPRE=True, BN1=32, BN2=32, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(USE_DOT=False, BM=1, FASTDEC=True, XPRE=True, BN1=32, BN2=32, BK1=256, BK2=256, SPLIT1=4, SPLIT2=2),
+    _c(USE_DOT=False, BM=1, FASTDEC=True, XPRE=True, BN1=16, BN2=16, BK1=256, BK2=256),
+    _c(USE_DOT=False, BM=1, FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2,
+       num_warps=8),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=256, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, MAXNREG=128, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=32, BN2=128, BK1=128, BK2=128, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=32, BN2=64, BK1=128, BK2=128),
+    _c(FASTDEC=True, XPRE=True, BN1=128, BN2=128, BK1=128, BK2=128, num_warps=8),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=256, BK2=256, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, MAXNREG=128, num_stages=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=256, BK1=128, BK2=128, MAXNREG=128, num_warps=8),
+    # round 6: ROWMAX with its row max read in one wide load a row (it paid a memory latency
+    # per K-step before the first weight byte), deeper pipelines at T = 1 (a program there
+    # has 16 K-steps and ~12 warps an SM: latency-bound)
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, ROWMAX=True, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, ROWMAX=True, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, num_stages=5),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, num_stages=6),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT1=2, SPLIT2=4, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=4, SPLIT2=4, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=32, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, num_stages=5),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, ROWMAX=True,
+       num_stages=5),
+    # swap AB (decoded weights as the dot's A operand, from registers) with the round-2 decode
+    _c(FASTDEC=True, XPRE=True, SWAP_AB=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(FASTDEC=True, XPRE=True, SWAP_AB=True, BN1=64, BN2=64, BK1=128, BK2=128),
+    # round 7, T = 64: the gate/up loop spends ~111 of its ~605 SASS instructions a K-step on
+    # register moves that rebuild x's MMA fragments (each reused by only 2 n8 tiles a warp at
+    # BN 64 and 4 warps): 2 warps (4 tiles a warp), and around the best MXFP4 row (#58)
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=128, num_warps=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, num_warps=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256),
+    _c(FASTDEC=True, XPRE=True, BN1=32, BN2=64, BK1=128, BK2=128, num_warps=2),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=128, BN2=64, BK1=128, BK2=256, ROWMAX=True, num_warps=8),
 ]
 
 
@@ -112,6 +163,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shape, interpreter-friendly")
     ap.add_argument("--budget", type=float, default=90.0, help="stop starting candidates after this many s")
     ap.add_argument("--tokens", default="1,64,8,256", help="T values, in priority order")
+    ap.add_argument("--only", default="", help="candidate indices to run (e.g. 44-52,13); default: all")
+    ap.add_argument("--formats", default="mxfp4,nvfp4", help="formats to time")
     args = ap.parse_args()
     dev = runtime.device()
     if args.dry_run:
@@ -121,6 +174,7 @@ def main() -> int:
                  _c(SWAP_AB=True, BN1=16, BN2=16, BK1=32, BK2=32),
                  _c(FASTDEC=True, BK1=64, BK2=64),     # the interpreter: reference decode
                  _c(FASTDEC=True, XPRE=True, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, ROWMAX=True)]
+        cands = list(enumerate(cands))
         gen_cpu = torch.Generator().manual_seed(0)
         experts = {f: _quantised_experts(shape["E"], shape["H"], shape["I"], f, dev, gen_cpu)
                    for f in ("mxfp4", "nvfp4")}
@@ -130,7 +184,13 @@ def main() -> int:
             return 2
         shape = FLASH
         tokens = tuple(int(t) for t in args.tokens.split(","))
-        cands = CANDIDATES
+        cands = list(enumerate(CANDIDATES))
+        if args.only:
+            keep = set()
+            for part in args.only.split(","):
+                lo, _, hi = part.partition("-")
+                keep.update(range(int(lo), int(hi or lo) + 1))
+            cands = [(i, c) for i, c in cands if i in keep]
         gen = torch.Generator(device=dev).manual_seed(0)
         experts = {f: _random_experts(shape["E"], shape["H"], shape["I"], f, dev, gen) for f in ("mxfp4", "nvfp4")}
     E, H, I, k = shape["E"], shape["H"], shape["I"], shape["topk"]
@@ -161,8 +221,11 @@ def main() -> int:
                            triton=__import__("triton").__version__, torch=torch.__version__,
                            rows=rows, skipped=skipped, wall_s=time.time() - T0), f, indent=1, default=str)
     time_kw = dict(warmup_ms=3, rep_ms=15) if not args.dry_run else {}
-    for ci, cfg in enumerate(cands):
+    fmts = args.formats.split(",")
+    for ci, cfg in cands:
         for fmt, ex in experts.items():
+            if fmt not in fmts:
+                continue
             if time.time() - T0 > args.budget:
                 skipped.append((ci, fmt))
                 continue

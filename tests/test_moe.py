@@ -248,6 +248,18 @@ def test_triton_variants_mixed_scales(fmt, cfg):
     _mixed_scales_case(fmt, cfg, 64, 64)
 
 
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_rowmax_chunked_row_max(monkeypatch, chunk):
+    # ROWMAX reads a row's scale bytes in chunks of ROW_CHUNK (one chunk at Flash's sizes): force
+    # several chunks (and a last partial one: 64 / 16 = 4 scale bytes a row in 1- or 2-byte
+    # chunks, and 3 with the split-K slices) so the chunked max is checked against the reference
+    from dsv4lab.kernels import moe as kmoe
+    monkeypatch.setattr(kmoe, "ROW_CHUNK", chunk)
+    _mixed_scales_case("mxfp4", dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, ROWMAX=True), 128, 64)
+    _mixed_scales_case("mxfp4", dict(BM=1, USE_DOT=False, BK1=32, BK2=32, SPLIT1=2, ROWMAX=True,
+                                     XPRE=True), 192, 64)
+
+
 # DECODE32: int32 words of 4 packed bytes, K permuted alike for x and w, four K = BK/8 dot
 # slices a step (tensor cores need BK >= 128, hence the larger H and I)
 # (DECODE32 was timed slower than the default on the H200: two CPU cases keep its code
@@ -486,7 +498,8 @@ def test_config_table_per_format():
         for cfg in row.values():
             assert set(cfg) <= set(kmoe.CONFIG_KEYS) and not cfg.get("SWAP_AB", False)
             assert not cfg.get("DECODE32", False)          # timed slower: a variant only
-            assert not cfg.get("ROWMAX", False)            # a bench variant only
+            # ROWMAX: promoted for MXFP4 at ~1.5 rows per expert only (timed there on the H200)
+            assert not cfg.get("ROWMAX", False) or (bound == 2.0 and cfg is row["mxfp4"])
             assert cfg["BM"] >= 16 or not cfg["USE_DOT"]
             # decode rows (<= 16 rows per expert): FASTDEC + XPRE promoted (timed on the
             # H200); the prefill row keeps the plain byte decode

@@ -91,59 +91,48 @@ def print_table(rows: list[dict]) -> None:
 
 
 # Named layouts of kernels/moe.py, timed beside the default row (at the target token counts
-# only, to keep the bench short). Since the 2026-11-29 sweep the default row (``triton``) is
-# the promoted decode config of kernels/moe.py's CONFIGS (FASTDEC + XPRE; BK 128 and split-K
-# 2/2 at T = 1 and 8; BK 128 for MXFP4 / 256 for NVFP4 at T = 64 and 256). Every variant is
-# a FULL config built on ``PLAIN`` (the former default: BK 256, BN 64/64, byte decode,
-# strided x, no split-K), so it does not inherit the promoted switches; a variant equal to
-# the default of its (T, format) is skipped (its row would repeat ``triton``).
+# only, to keep the bench short). The default row (``triton``) is the promoted decode config of
+# kernels/moe.py's CONFIGS (FASTDEC + XPRE; BK 128 and split-K 2/2 at T = 1 and 8; at T = 64
+# MXFP4 with ROWMAX, BN2 128, BK2 256 and NVFP4 at BK 256; see there). Every variant is a FULL
+# config built on ``PLAIN`` (the first port: BK 256, BN 64/64, byte decode, strided x, no
+# split-K), so it does not inherit the promoted switches; a variant equal to the default of
+# its (T, format) is skipped (its row would repeat ``triton``).
 # FASTDEC: decode + block scale in packed inline PTX; XPRE: x and act as pre-split fp16
 # operands the pipeliner streams ahead; BK 128: ~100-130 registers a thread, 4 programs an
 # SM; SPLIT1/SPLIT2: split-K of the gate/up and down GEMMs (more programs when only 6
 # experts are hit); ROWMAX (MXFP4): one scale split per row and slice, so the dots chain
-# like NVFP4's (no effect on the NVFP4 rows; ROWMAX with split-K 2 at T = 1 was no faster:
-# dropped). Round 3 adds, for the gate/up kernel that is 62% of T = 64: wider gate/up tiles
-# (BN1 128: x tile and pointer math shared by twice the weight rows), 8 warps (more loads in flight per program), ROWMAX without split-K (MXFP4
-# gate/up at 117 registers: 4 programs an SM), a register cap of 128 (MAXNREG: MXFP4
-# gate/up 150 -> 128, 3 -> 4 programs an SM) and ROWMAX capped at 96 (5 programs an SM),
-# the last two also at split-K 2 for T = 1. Registers as compiled offline for sm_90 with
-# Triton 3.6, none spilling to local memory (the 128 cap: 8 bytes of stack).
-# (fd_xpre, BK 256, is the NVFP4 default at T = 64 and slower for MXFP4: not repeated.)
-# (The swap-AB and DECODE32 rows timed on 2026-11-29 were slower: dropped; so was FASTDEC
-# alone, superseded by FASTDEC + XPRE; round 4 dropped bn128_bk128 (T = 64: 1117.5 us vs
-# 1031.4) and bk128_w8 (1908.8 / 106.3 us) to keep the bench short.)
+# like NVFP4's (no effect on the NVFP4 rows); MAXNREG: a register cap (MXFP4 gate/up 150 ->
+# 128 registers: 3 -> 4 programs an SM). Rows dropped over the sessions (slower, recorded in
+# data/results/moe.jsonl): swap AB, DECODE32, FASTDEC alone, BN1 128, 8 warps, caps at 96,
+# 4 stages, most FOLD layouts.
 _FX = dict(PLAIN, FASTDEC=True, XPRE=True)
 _FX128 = dict(_FX, BK1=128, BK2=128)
+# Session 3 pruned the rows that never led (FOLD but one, the register caps at 96, split-K with
+# a cap, 4 stages, ROWMAX under the cap at BK2 128) and added the T = 64 MXFP4 winners of its
+# sweep: ROWMAX (the row max now one wide load a row) with a 256-element down K step, at 64 or
+# 128 hidden columns a down program; the latter is now the MXFP4 default at T = 64, and
+# ``triton_fd_xpre_bk128`` (its former default) stays as the row it is compared with.
 VARIANTS = [
     ("triton_plain", dict(PLAIN)),
     ("triton_fd_xpre_bk128", dict(_FX128)),
     ("triton_fd_xpre_bk128_s2", dict(_FX128, SPLIT1=2, SPLIT2=2)),
     ("triton_fd_xpre_rm_bk128", dict(_FX128, ROWMAX=True)),
     ("triton_fd_xpre_bk128_r128", dict(_FX128, MAXNREG=128)),
-    ("triton_fd_xpre_bk128_s2_r128", dict(_FX128, SPLIT1=2, SPLIT2=2, MAXNREG=128)),
-    ("triton_fd_xpre_rm_bk128_r96", dict(_FX128, ROWMAX=True, MAXNREG=96)),
-    ("triton_fd_xpre_rm_bk128_s2_r96", dict(_FX128, SPLIT1=2, SPLIT2=2, ROWMAX=True, MAXNREG=96)),
-    # round 4: FOLD (kernels/moe.py): the combine inside the down kernel, the split-K SwiGLU
-    # sum inside the gate/up kernel (last program of a tile sums, fixed order) and the
-    # grouping + XPRE copy + counter zeroing in one prologue launch: 6 -> 3 launches at T = 1
+    # FOLD (kernels/moe.py): the combine inside the down kernel, the split-K SwiGLU sum inside
+    # the gate/up kernel (last program of a tile sums, fixed order) and the grouping + XPRE
+    # copy + counter zeroing in one prologue launch: 6 -> 3 launches at T = 1
     ("triton_fd_xpre_bk128_s2_fold", dict(_FX128, SPLIT1=2, SPLIT2=2, FOLD=True)),
-    ("triton_fd_xpre_bk128_s2_r128_fold", dict(_FX128, SPLIT1=2, SPLIT2=2, MAXNREG=128, FOLD=True)),
-    ("triton_fd_xpre_bk128_fold", dict(_FX128, FOLD=True)),
-    ("triton_fd_xpre_bk128_r128_fold", dict(_FX128, MAXNREG=128, FOLD=True)),
-    # round 4, around the T = 64 MXFP4 best (bk128_r128): 4 stages, ROWMAX under the 128 cap,
-    # down tiles of 128 hidden columns, a 256-element down K step (sm_90, Triton 3.6: 128
-    # registers, 8-16 bytes of stack, no local spills)
-    ("triton_fd_xpre_bk128_r128_st4", dict(_FX128, MAXNREG=128, num_stages=4)),
-    ("triton_fd_xpre_rm_bk128_r128", dict(_FX128, ROWMAX=True, MAXNREG=128)),
     ("triton_fd_xpre_bk128_r128_bn2_128", dict(_FX128, MAXNREG=128, BN2=128)),
-    ("triton_fd_xpre_bk128_r128_bk2_256", dict(_FX128, MAXNREG=128, BK2=256)),
+    ("triton_fd_xpre_rm_bk128_bk2_256", dict(_FX128, ROWMAX=True, BK2=256)),
+    ("triton_fd_xpre_rm_bk128_bk2_256_r128", dict(_FX128, ROWMAX=True, BK2=256, MAXNREG=128)),
+    ("triton_fd_xpre_bk128_bn2_128_bk2_256", dict(_FX128, BN2=128, BK2=256)),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
 # variants timed at some of VARIANT_TOKENS only (the rest: all of them), to keep the bench short
-VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_s2_r128_fold": (1,),
-                "triton_fd_xpre_bk128_r128_st4": (64,), "triton_fd_xpre_rm_bk128_r128": (64,),
-                "triton_fd_xpre_bk128_r128_bn2_128": (64,), "triton_fd_xpre_bk128_r128_bk2_256": (64,)}
+VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128_bn2_128": (64,),
+                "triton_fd_xpre_rm_bk128_bk2_256": (64,), "triton_fd_xpre_rm_bk128_bk2_256_r128": (64,),
+                "triton_fd_xpre_bk128_bn2_128_bk2_256": (64,)}
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")

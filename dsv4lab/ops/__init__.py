@@ -6,8 +6,9 @@ Each op checks its inputs (ValueError naming the argument), resolves a backend t
 """
 from dsv4lab.ops.attention import sparse_mla_decode
 from dsv4lab.ops.indexer import indexer_logits, indexer_topk, to_cache_slots
+from dsv4lab.ops.linear import linear
 from dsv4lab.ops.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4lab.ops.moe import fused_moe, hash_route, route
 
 __all__ = ["sparse_mla_decode", "indexer_logits", "indexer_topk", "to_cache_slots",
-           "route", "hash_route", "fused_moe", "mhc_pre", "mhc_post", "mhc_head"]
+           "route", "hash_route", "fused_moe", "mhc_pre", "mhc_post", "mhc_head", "linear"]
