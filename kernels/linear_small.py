@@ -148,6 +148,7 @@ def _bench():
     torch.backends.cuda.matmul.allow_tf32 = False
     shapes = [("mini wq_b", 256, 64, torch.float32), ("mini wo_b", 128, 128, torch.float32),
               ("mini head", 256, 128, torch.float32), ("mini gate", 8, 128, torch.float32),
+              ("mini mhc", 24, 512, torch.float32), ("flash mhc", 24, 16384, torch.float32),
               ("flash gate", 256, 4096, torch.bfloat16), ("flash wkv", 512, 4096, torch.bfloat16),
               ("flash wq_a", 1024, 4096, torch.bfloat16), ("flash wq_b", 32768, 1024, torch.bfloat16)]
     print(f"{'weight':<12} {'N':>6} {'K':>5} {'dtype':<9} {'M':>2} {'cuBLAS us':>10} {'kernel us':>10} {'x':>6}")

@@ -78,7 +78,9 @@ def bench_spec(smoke: bool) -> list[dict]:
     eng = Engine(model, max_batch=max(concs), max_len=max(map(len, prompts)) + new + 16,
                  backends=be)
     rows = []
-    timing = dict(warmup_ms=50, rep_ms=300) if gpu else dict(cpu_reps=1)
+    # a generate call is ~0.2-0.3 s: 1.5 s of repetitions give a median of ~5-7 calls (at 0.3 s,
+    # one slow call, a host hiccup, was the whole median)
+    timing = dict(warmup_ms=200, rep_ms=1500) if gpu else dict(cpu_reps=1)
 
     def run(ps, k, engine, draft_moe, n=new):
         out = engine.generate(ps, n, num_draft=k, progress=False)

@@ -34,11 +34,12 @@ from dsv4lab import backends
 
 OP = "linear"
 MAX_ROWS = 8                         # the kernel's row block: "auto" takes triton up to here
-# "auto" leaves weights above this to cuBLAS: 1M elements (4 MB fp32, 2 MB bf16: under 1 us
-# of HBM traffic at H200 speed) is where a launch-latency-bound product turns bandwidth-bound.
-# Every mini-model weight is far below (the largest, the LM head, is 256 x 128); of the
-# Flash layer only the router (256 x 4096) and the indexer's head weights are at or below.
-AUTO_MAX_WEIGHT = 1 << 20
+# "auto" leaves weights above this to cuBLAS: 64K elements (256 KB fp32). The kernel has no
+# split-K, so a tall-K, narrow-N weight gives it few programs and a long serial K loop (Flash's
+# router, 256 x 4096, runs on 64 programs; the mHC mixes, 24 x 16384, on 6): those stay with
+# cuBLAS's GEMV until measured. Every mini-model weight is below (the largest, the LM head,
+# is 256 x 128; the mHC mixes 24 x 512), and they are what the kernel was measured on.
+AUTO_MAX_WEIGHT = 1 << 16
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

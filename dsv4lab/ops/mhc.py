@@ -15,8 +15,9 @@ mixes the output back in; :func:`mhc_head` is the model's final reduction. The m
 Backends (key ``"mhc"`` in the model's ``backends`` dict):
 
 - ``"torch"``: the reference (the model's code before the kernel; differentiable).
-- ``"triton"``: :mod:`dsv4lab.kernels.mhc`: the ``xf @ fn.T`` matmul stays in
-  torch/cuBLAS, everything after it is one kernel for ``pre`` and one for ``post``
+- ``"triton"``: :mod:`dsv4lab.kernels.mhc`: the ``xf @ fn.T`` matmul goes through
+  :func:`dsv4lab.ops.linear` (its small-M kernel for a decode step's few rows, cuBLAS
+  otherwise), everything after it is one kernel for ``pre`` and one for ``post``
   instead of hundreds of tiny ones (20 Sinkhorn iterations of [T, 4, 4] ops). Capture-safe.
 - ``"auto"``: ``"triton"`` on a CUDA GPU when no gradient is needed; otherwise
   ``"torch"`` (the kernels have no backward; on the CPU the interpreter gains nothing
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from dsv4lab import backends
+from dsv4lab.ops.linear import linear
 
 OP = "mhc"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,8 +91,17 @@ class _Torch:
         return y.to(residual.dtype)
 
 
+def _mixes(x3, fn):
+    """``xf @ fn.T`` in fp32 through :func:`dsv4lab.ops.linear` ("auto": one small-M launch for
+    a decode step's few rows and a small ``fn``, whatever the row count: a speculative verify
+    step's mixes then match a plain step's bit for bit; cuBLAS otherwise)."""
+    T, n, d = x3.shape
+    with torch.autocast(x3.device.type, enabled=False):
+        return linear(x3.reshape(T, n * d).float(), fn.float().contiguous()).contiguous()
+
+
 class _Triton:
-    """cuBLAS ``xf @ fn.T``, then one fused Triton kernel per mix (kernels/mhc.py)."""
+    """``xf @ fn.T`` (:func:`_mixes`), then one fused Triton kernel per mix (kernels/mhc.py)."""
 
     @staticmethod
     def _flat(x):
@@ -102,8 +113,7 @@ class _Triton:
         from dsv4lab.kernels import mhc as K
         n, d = x.shape[-2:]
         lead, x3 = _Triton._flat(x)
-        with torch.autocast(x.device.type, enabled=False):
-            mixes = (x3.reshape(x3.shape[0], n * d).float() @ fn.float().t()).contiguous()
+        mixes = _mixes(x3, fn)
         y, post, comb = K.mhc_pre(x3, mixes, base.float().contiguous(), scale.float().contiguous(),
                                   iters, eps)
         return y.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
@@ -113,8 +123,7 @@ class _Triton:
         from dsv4lab.kernels import mhc as K
         n, d = x.shape[-2:]
         lead, x3 = _Triton._flat(x)
-        with torch.autocast(x.device.type, enabled=False):
-            mixes = (x3.reshape(x3.shape[0], n * d).float() @ fn.float().t()).contiguous()
+        mixes = _mixes(x3, fn)
         y, _, _ = K.mhc_pre(x3, mixes, base.float().contiguous(), None, 1, eps)
         return y.view(*lead, d)
 
@@ -133,7 +142,7 @@ class _Triton:
 backends.register(OP, "torch", kind="torch", priority=0,
                   description="fp32 torch reference (tiny ops; differentiable)")(_Torch)
 backends.register(OP, "triton", kind="triton", priority=10, min_capability=(8, 0), interpreter=True,
-                  description="cuBLAS mixes + one fused Triton kernel per mix, capture-safe")(_Triton)
+                  description="fp32 mixes (ops.linear) + one fused Triton kernel per mix, capture-safe")(_Triton)
 
 
 # --------------------------------------------------------------------------- checks
