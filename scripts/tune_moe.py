@@ -146,6 +146,14 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=32, BN2=64, BK1=128, BK2=128, num_warps=2),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, BN1=128, BN2=64, BK1=128, BK2=256, ROWMAX=True, num_warps=8),
+    # round 8, T = 64 MXFP4: around the two best rows (#73, #77) of the bench's routing
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=256, BK2=256, ROWMAX=True, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, MAXNREG=160),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=512, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128,
+       num_stages=4),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=32, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
 ]
 
 
