@@ -270,6 +270,136 @@ def _row_smax(s_row, nmask, KS, RKC: tl.constexpr):
     return m
 
 
+# W16 (a variant): the packed weights read as int16 words (4 nibbles: elements 4q .. 4q+3 in
+# bits 0-3, 4-7, 8-11, 12-15) and the block scales as int32 words (4 scale bytes), so that the
+# decoded weight tile, the B operand of the dot, descends from 16- and 32-bit loads only. Triton
+# (3.6) sizes a mixed-precision dot's operand layout by the narrowest load its operands descend
+# from: 8-bit bytes give kWidth 4, for which x's A fragments (fp16, from shared memory) must be
+# rebuilt with register moves before every HMMA (~110 of ~605 SASS instructions a gate/up K-step
+# on sm_90); 16-bit words give kWidth 2, where ldmatrix fills them in place (compiled offline:
+# no moves left). The K axis is split in four phases (element 4q + r: x plane r, decoded
+# output r) instead of two, so x and act are pre-split in four planes ([T, 4, K/4]).
+# Per int16 pair (pack = 2): output r holds nibble r of both words as fp16 ``value * 2**-14``
+# (the FASTDEC bit placement: (t | t >> 3) & 0x8E008E00 with the nibble at bits 12..15 of its
+# half), times the multipliers $5.
+W16_ASM = """
+{
+.reg .b32 t, u;
+shl.b32 t, $4, 12;
+and.b32 t, t, 0xF000F000;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $0, t, $5;
+shl.b32 t, $4, 8;
+and.b32 t, t, 0xF000F000;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $1, t, $5;
+shl.b32 t, $4, 4;
+and.b32 t, t, 0xF000F000;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $2, t, $5;
+and.b32 t, $4, 0xF000F000;
+shr.b32 u, t, 3;
+lop3.b32 t, t, u, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $3, t, $5;
+}
+"""
+_W16_ASM = tl.constexpr(W16_ASM)
+
+
+@triton.jit
+def _e2m1_nibble16(w, r: tl.constexpr):
+    """Nibble r of int16 words -> fp16 ``value * 2**-14`` (the interpreter's W16 decode)."""
+    n = (w.to(tl.int32) >> (4 * r)) & 15
+    bits = ((n & 7) << 9) | ((n & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _scale_bytes16(s_tile, nmask, BN: tl.constexpr, NSC: tl.constexpr):
+    """W16: NSC scale bytes of each row read as NSC // 4 int32 words -> int32 [BN, NSC]."""
+    sw = tl.load(s_tile, mask=nmask[:, None], other=0)                      # [BN, NSC // 4]
+    j = tl.arange(0, 4)
+    sb = (sw[:, :, None] >> (8 * j)[None, None, :]) & 0xFF
+    return tl.reshape(sb, (BN, NSC))
+
+
+@triton.jit
+def _w_tile16(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, Q2: tl.constexpr,
+              GS: tl.constexpr, FASTDEC: tl.constexpr, smax_row=0, ROWMAX: tl.constexpr = False):
+    """W16: one K-step of BN rows from int16 words [BN, Q2] (4 elements each) and int32 scale
+    words: ``(w0, w1, w2, w3, colf)``, wr [BN, Q2] fp16 holding elements 4q + r with their
+    block scale applied; colf as in :func:`_w_tile` (the same scale split, bit for bit)."""
+    NSC: tl.constexpr = (2 * Q2) // GS
+    p = tl.load(w_tile, mask=nmask[:, None], other=0)
+    si = _scale_bytes16(s_tile, nmask, BN, NSC)
+    if IS_NV:
+        b = si.to(tl.int16)
+        mult = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+        colf = tl.full((BN,), 1.0, tl.float32)
+    else:
+        if ROWMAX:
+            smax = smax_row
+        else:
+            smax = tl.max(si, axis=1)
+        e = si - smax[:, None] + 15
+        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
+        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS // 2)), (BN, Q2))
+    if FASTDEC:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(_W16_ASM, "=r,=r,=r,=r,r,r", [p, mexp],
+                                                   dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        return w0, w1, w2, w3, colf
+    return (_e2m1_nibble16(p, 0) * mexp, _e2m1_nibble16(p, 1) * mexp,
+            _e2m1_nibble16(p, 2) * mexp, _e2m1_nibble16(p, 3) * mexp, colf)
+
+
+@triton.jit
+def _row_smax16(s_row, nmask, KSW, RKC: tl.constexpr):
+    """W16 ROWMAX: :func:`_row_smax` over int32 scale words (KSW words a row, RKC at a time)."""
+    kc = tl.arange(0, RKC)
+    j = tl.arange(0, 4)
+    m = tl.zeros(nmask.shape, dtype=tl.int32)
+    for k0 in range(0, KSW, RKC):
+        sw = tl.load(s_row[:, None] + (k0 + kc)[None, :],
+                     mask=nmask[:, None] & (kc < KSW - k0)[None, :], other=0)
+        sb = (sw[:, :, None] >> (8 * j)[None, None, :]) & 0xFF
+        m = tl.maximum(m, tl.max(tl.max(sb, axis=2), axis=1))
+    return m
+
+
+@triton.jit
+def _x_planes(x_rows, k1, plane, mmask):
+    """W16: the step's four K phases of x (or act): planes ``plane`` elements apart."""
+    x0 = tl.load(x_rows + k1, mask=mmask[:, None], other=0.0)
+    x1 = tl.load(x_rows + plane + k1, mask=mmask[:, None], other=0.0)
+    x2 = tl.load(x_rows + 2 * plane + k1, mask=mmask[:, None], other=0.0)
+    x3 = tl.load(x_rows + 3 * plane + k1, mask=mmask[:, None], other=0.0)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _mac16(acc, x0, x1, x2, x3, w0, w1, w2, w3, colf, CHAIN: tl.constexpr, DOT_FP32: tl.constexpr):
+    """W16: acc + colf * sum_r x_r . w_r^T over the four K phases (tensor cores, fp16)."""
+    if DOT_FP32:      # the interpreter: same rounding as the fp16 operands
+        x0, x1, x2, x3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+        w0, w1, w2, w3 = w0.to(tl.float32), w1.to(tl.float32), w2.to(tl.float32), w3.to(tl.float32)
+    if CHAIN:
+        acc = tl.dot(x0, tl.trans(w0), acc)
+        acc = tl.dot(x1, tl.trans(w1), acc)
+        acc = tl.dot(x2, tl.trans(w2), acc)
+        acc = tl.dot(x3, tl.trans(w3), acc)
+    else:
+        d = tl.dot(x0, tl.trans(w0))
+        d = tl.dot(x1, tl.trans(w1), d)
+        d = tl.dot(x2, tl.trans(w2), d)
+        d = tl.dot(x3, tl.trans(w3), d)
+        acc += d * colf[None, :]
+    return acc
+
+
 @triton.jit
 def _w_words(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, Q: tl.constexpr,
              GS: tl.constexpr):
@@ -404,7 +534,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                         DECODE32: tl.constexpr = False, FASTDEC: tl.constexpr = False,
                         XPRE: tl.constexpr = False, PARTIAL: tl.constexpr = False,
                         ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                        FOLD: tl.constexpr = False, RKC: tl.constexpr = 16):
+                        FOLD: tl.constexpr = False, RKC: tl.constexpr = 16,
+                        W16: tl.constexpr = False, PLANES: tl.constexpr = 2):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -436,7 +567,35 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     else:
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if DECODE32:       # int32 words, 4 packed bytes each; x gathered in the same K order
+    if W16:            # int16 weight words, int32 scale words, x in four planes (W16_ASM)
+        # (strides, KH_SPLIT and KS_SPLIT arrive in words: int16 for the weights, int32 for
+        # the scales; x is the four-plane copy [T, 4, H/4], planes XO_OFF apart)
+        Q2: tl.constexpr = BKH // 2
+        kq = tl.arange(0, Q2)
+        kw = tl.arange(0, BKH // GS // 4)
+        wg16 = w_ptr.to(tl.pointer_type(tl.int16)) + (row_g + kbase)[:, None] + kq[None, :]
+        wu16 = wg16 + I * stride_wn
+        s32 = s_ptr.to(tl.pointer_type(tl.int32)) + srow + sp * KS_SPLIT
+        sg32 = s32[:, None] + kw[None, :]
+        su32 = sg32 + I * stride_sn
+        x16 = x_ptr + tok[:, None] * stride_xt + kq[None, :] + kbase
+        smax_g = tl.zeros((BN,), dtype=tl.int32)
+        smax_u = tl.zeros((BN,), dtype=tl.int32)
+        if ROWMAX:
+            smax_g = _row_smax16(s32, nmask, KS_SPLIT, RKC)
+            smax_u = _row_smax16(s32 + I * stride_sn, nmask, KS_SPLIT, RKC)
+        for k1 in range(0, KH_SPLIT, Q2):
+            x0, x1, x2, x3 = _x_planes(x16, k1, XO_OFF, mmask)
+            w0, w1, w2, w3, cf = _w_tile16(wg16 + k1, sg32 + k1 // (2 * GS), nmask, IS_NV, BN, Q2,
+                                           GS, FASTDEC, smax_g, ROWMAX)
+            acc_g = _mac16(acc_g, x0, x1, x2, x3, w0, w1, w2, w3, cf, CHAIN, DOT_FP32)
+            w0, w1, w2, w3, cf = _w_tile16(wu16 + k1, su32 + k1 // (2 * GS), nmask, IS_NV, BN, Q2,
+                                           GS, FASTDEC, smax_u, ROWMAX)
+            acc_u = _mac16(acc_u, x0, x1, x2, x3, w0, w1, w2, w3, cf, CHAIN, DOT_FP32)
+        if ROWMAX:
+            acc_g = acc_g * ((smax_g + 7) << 23).to(tl.float32, bitcast=True)[None, :]
+            acc_u = acc_u * ((smax_u + 7) << 23).to(tl.float32, bitcast=True)[None, :]
+    elif DECODE32:     # int32 words, 4 packed bytes each; x gathered in the same K order
         Q: tl.constexpr = BKH // 4
         kq = tl.arange(0, Q)
         x_rows = x_ptr + tok[:, None] * stride_xt + 8 * kq[None, :]
@@ -518,21 +677,22 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                            HAS_LIMIT, XPRE)
     else:
         _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
-                   HAS_LIMIT, XPRE)
+                   HAS_LIMIT, XPRE, PLANES)
 
 
 @triton.jit
 def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
-               HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr):
+               HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, PLANES: tl.constexpr = 2):
     """``act = silu(min(g, L)) * clamp(u, -L, L)`` to row ``rows`` of act: fp32 in natural
     column order, or (XPRE) as the down projection's pre-split fp16 operand: times 2**-8,
-    even columns in [0, I/2), odd ones in [I/2, I) (the rounding _mac would do anyway)."""
+    column n in plane n % PLANES at n // PLANES (PLANES 2: even columns in [0, I/2), odd ones
+    in [I/2, I); 4 for W16), the rounding _mac would do anyway."""
     if HAS_LIMIT:
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     act = gate / (1.0 + tl.exp(-gate)) * up
     if XPRE:
-        col = (offs_n % 2) * (I // 2) + offs_n // 2
+        col = (offs_n % PLANES) * (I // PLANES) + offs_n // PLANES
         tl.store(act_ptr + rows[:, None] * stride_act + col[None, :],
                  (act * 0.00390625).to(tl.float16), mask=omask)
     else:
@@ -543,7 +703,7 @@ def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_lim
 def _moe_swiglu_kernel(part_ptr, act_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
                        I, stride_part, stride_prow, stride_act, swiglu_limit,
                        HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, SPLIT: tl.constexpr,
-                       BM: tl.constexpr, BI: tl.constexpr):
+                       BM: tl.constexpr, BI: tl.constexpr, PLANES: tl.constexpr = 2):
     """SPLIT1 > 1: sum the gate/up split-K partials [SPLIT, P, 2I] of one block's rows and
     write act (only rows a block owns were written: pairs with expert -1 are skipped)."""
     b = tl.program_id(0)
@@ -561,7 +721,7 @@ def _moe_swiglu_kernel(part_ptr, act_ptr, block_expert_ptr, block_start_ptr, blo
         gate += tl.load(src + s * stride_part, mask=omask, other=0.0)
         up += tl.load(src + s * stride_part + I, mask=omask, other=0.0)
     _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
-               HAS_LIMIT, XPRE)
+               HAS_LIMIT, XPRE, PLANES)
 
 
 @triton.jit
@@ -575,7 +735,8 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
                      BKH: tl.constexpr, GS: tl.constexpr, DECODE32: tl.constexpr = False,
                      FASTDEC: tl.constexpr = False, XPRE: tl.constexpr = False,
                      ROWMAX: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                     FOLD: tl.constexpr = False, RKC: tl.constexpr = 16):
+                     FOLD: tl.constexpr = False, RKC: tl.constexpr = 16,
+                     W16: tl.constexpr = False):
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)                        # split-K slice: bytes [sp*KH_SPLIT, +KH_SPLIT)
@@ -600,7 +761,26 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if DECODE32:
+    if W16:            # as the gate/up loop: words, and act in four planes (XO_OFF apart)
+        Q2: tl.constexpr = BKH // 2
+        kq = tl.arange(0, Q2)
+        kw = tl.arange(0, BKH // GS // 4)
+        w16 = (w_ptr.to(tl.pointer_type(tl.int16)) + (e64 * stride_we + offs_n.to(tl.int64) * stride_wn
+                                                       + kbase)[:, None] + kq[None, :])
+        s32 = s_ptr.to(tl.pointer_type(tl.int32)) + e64 * stride_se + offs_n.to(tl.int64) * stride_sn \
+            + sp * KS_SPLIT
+        a16 = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + kq[None, :] + kbase
+        smax = tl.zeros((BN,), dtype=tl.int32)
+        if ROWMAX:
+            smax = _row_smax16(s32, nmask, KS_SPLIT, RKC)
+        for k1 in range(0, KH_SPLIT, Q2):
+            x0, x1, x2, x3 = _x_planes(a16, k1, XO_OFF, mmask)
+            w0, w1, w2, w3, cf = _w_tile16(w16 + k1, s32[:, None] + kw[None, :] + k1 // (2 * GS), nmask,
+                                           IS_NV, BN, Q2, GS, FASTDEC, smax, ROWMAX)
+            acc = _mac16(acc, x0, x1, x2, x3, w0, w1, w2, w3, cf, CHAIN, DOT_FP32)
+        if ROWMAX:
+            acc = acc * ((smax + 7) << 23).to(tl.float32, bitcast=True)[None, :]
+    elif DECODE32:
         Q: tl.constexpr = BKH // 4
         kq = tl.arange(0, Q)
         a_rows = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + 8 * kq[None, :]
@@ -680,24 +860,26 @@ def _fold_combine(ypair_ptr, ids_ptr, out_ptr, sem_ptr, sorted_pair_ptr, start, 
 
 
 @triton.jit
-def _moe_xpre_kernel(x_ptr, xk_ptr, H2, stride_x, stride_xk, BH: tl.constexpr):
-    """XPRE: row t of x -> fp16 ``x * 2**-8`` with its even columns in ``[0, H/2)`` and its
-    odd ones in ``[H/2, H)`` of row t of xk (one launch; the fp32 product is exact, one
-    round to nearest even to fp16: the rounding the strided path applies in _mac)."""
-    _xpre_body(x_ptr, xk_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), H2, stride_x,
-               stride_xk, BH)
+def _moe_xpre_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr,
+                     PLANES: tl.constexpr = 2):
+    """XPRE: row t of x -> fp16 ``x * 2**-8`` with column c in plane c % PLANES at c // PLANES
+    of row t of xk (PLANES 2: even columns in ``[0, H/2)``, odd ones in ``[H/2, H)``; 4 for
+    W16; HP = H / PLANES). One launch; the fp32 product is exact, one round to nearest even
+    to fp16: the rounding the strided path applies in _mac."""
+    _xpre_body(x_ptr, xk_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), HP, stride_x,
+               stride_xk, BH, PLANES)
 
 
 @triton.jit
-def _xpre_body(x_ptr, xk_ptr, t, pb, H2, stride_x, stride_xk, BH: tl.constexpr):
+def _xpre_body(x_ptr, xk_ptr, t, pb, HP, stride_x, stride_xk, BH: tl.constexpr,
+               PLANES: tl.constexpr = 2):
     offs = pb * BH + tl.arange(0, BH)
-    m = offs < H2
-    src = x_ptr + t * stride_x + 2 * offs
-    xe = tl.load(src, mask=m, other=0.0).to(tl.float32) * 0.00390625
-    xo = tl.load(src + 1, mask=m, other=0.0).to(tl.float32) * 0.00390625
+    m = offs < HP
+    src = x_ptr + t * stride_x + PLANES * offs
     dst = xk_ptr + t * stride_xk + offs
-    tl.store(dst, xe.to(tl.float16), mask=m)
-    tl.store(dst + H2, xo.to(tl.float16), mask=m)
+    for r in tl.static_range(PLANES):
+        xr = tl.load(src + r, mask=m, other=0.0).to(tl.float32) * 0.00390625
+        tl.store(dst + r * HP, xr.to(tl.float16), mask=m)
 
 
 @triton.jit
@@ -804,7 +986,7 @@ _DOT16 = dict(BM=16, BK1=256, BK2=256, USE_DOT=True, num_warps=4, num_stages=3)
 # ``triton_plain`` reference row (a config given to fused_moe overrides config_for's entries,
 # so a variant built on PLAIN does not inherit the promoted switches below).
 PLAIN = dict(_DOT16, BN1=64, BN2=64, SPLIT1=1, SPLIT2=1, SWAP_AB=False, DECODE32=False,
-             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None, FOLD=False)
+             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None, FOLD=False, W16=False)
 _FX = dict(_DOT16, BN1=64, BN2=64, FASTDEC=True, XPRE=True, SPLIT1=1, SPLIT2=1)
 _FX128 = dict(_FX, BK1=128, BK2=128)
 _FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
@@ -824,7 +1006,7 @@ CONFIGS = [
 ]
 
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
-               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "num_warps",
+               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "num_warps",
                "num_stages")
 assert set(PLAIN) == set(CONFIG_KEYS)
 
@@ -923,6 +1105,17 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if rowmax and dec32:
         raise ValueError("config: ROWMAX applies to the byte decode, not DECODE32")
     rowmax = rowmax and not is_nv
+    w16 = bool(cfg.get("W16", False))
+    if w16 and (not use_dot or not xpre or swap or dec32 or bool(cfg.get("FOLD", False))):
+        raise ValueError("config: W16 needs USE_DOT and XPRE and excludes SWAP_AB, DECODE32 and FOLD")
+    if w16 and ((BK1 // 2 // GS) % 4 or (BK2 // 2 // GS) % 4):
+        raise ValueError(f"config: W16 reads a K-step's scale bytes as int32 words, so BK1 and BK2 "
+                         f"must hold a multiple of 4 scales ({8 * GS} elements for {fmt}); got "
+                         f"BK1={BK1}, BK2={BK2} (after fitting H={H}, I={I})")
+    if w16:                                       # word loads: realign offset views
+        w13, w2 = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (w13, w2))
+        w13_scale, w2_scale = (t if t.data_ptr() % 16 == 0 else t.clone()
+                                for t in (w13_scale, w2_scale))
     if dec1 and w13.data_ptr() % 16:             # an offset view: realign for word loads
         w13 = w13.clone()
     if dec2 and w2.data_ptr() % 16:
@@ -950,7 +1143,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     # (one small kernel instead of four torch ops: at T = 1 every launch costs ~2 us even in
     # a CUDA graph)
     out = (torch.zeros if fold and not fused_pro else torch.empty)(T, H, dtype=x.dtype, device=dev)
-    BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+    planes = 4 if w16 else 2                      # W16: x and act in four planes (K phases)
+    BX = min(1024, triton.next_power_of_2(max(1, H // planes)))
     xk = torch.empty(T, H, dtype=torch.float16, device=dev) if xpre else x
     if fused_pro:
         nxb = triton.cdiv(H // 2, BX)
@@ -961,8 +1155,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             num_warps=4 if P_PAD <= 256 else 8)
     if xpre:
         if T and not fused_pro:
-            _moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xk, H // 2, x.stride(0), xk.stride(0),
-                                                          BH=BX, num_warps=4)
+            _moe_xpre_kernel[(T, triton.cdiv(H // planes, BX))](x, xk, H // planes, x.stride(0),
+                                                               xk.stride(0), BH=BX, PLANES=planes,
+                                                               num_warps=4)
         act = torch.empty(P, I, dtype=torch.float16, device=dev)
     else:
         act = torch.empty(P, I, dtype=torch.float32, device=dev)
@@ -978,15 +1173,19 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if maxnreg is not None and not (isinstance(maxnreg, int) and 32 <= maxnreg <= 255):
         raise ValueError(f"config: MAXNREG must be None or an int in [32, 255], got {maxnreg!r}")
     regcap = {} if maxnreg is None or _interpreting() else dict(maxnreg=maxnreg)
+    # W16: the kernels address the weights in int16 words and the scales in int32 words
+    wword, sword = (2, 4) if w16 else (1, 1)
+    ks1 = H // 2 // split1 // GS // sword
     _moe_gate_up_kernel[(nbm, triton.cdiv(I, BN1), split1)](
         xk, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
-        I, topk, H // 2 // split1, H // 2 // split1 // GS, H // 2,
-        xk.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        I, topk, H // 2 // split1 // wword, ks1, H // planes,
+        xk.stride(0), w13.stride(0) // wword, w13.stride(1) // wword, w13_scale.stride(0) // sword,
+        w13_scale.stride(1) // sword,
         part.stride(-2), part.stride(0) if split1 > 1 else 0, limit, act, act.stride(0), sem,
         IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, USE_DOT=use_dot,
         SWAP_AB=swap, BM=BM, BN=BN1, BKH=BK1 // 2, GS=GS, DECODE32=dec1, FASTDEC=fast,
         XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        FOLD=fold and split1 > 1, RKC=_row_chunk(H // 2 // split1 // GS, rowmax),
+        FOLD=fold and split1 > 1, RKC=_row_chunk(ks1, rowmax), W16=w16, PLANES=planes,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
     if split1 > 1 and not fold:
         BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
@@ -994,15 +1193,17 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             part, act, block_expert, block_start, block_count,
             I, part.stride(0), part.stride(1), act.stride(0), limit,
             HAS_LIMIT=swiglu_limit is not None, XPRE=xpre, SPLIT=split1, BM=BM, BI=BI,
-            num_warps=4)
+            PLANES=planes, num_warps=4)
+    ks2 = I // 2 // split // GS // sword
     _moe_down_kernel[(nbm, triton.cdiv(H, BN2), split)](
         act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
-        H, I // 2 // split, I // 2 // split // GS, I // 2,
-        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        H, I // 2 // split // wword, ks2, I // planes,
+        act.stride(0), w2.stride(0) // wword, w2.stride(1) // wword, w2_scale.stride(0) // sword,
+        w2_scale.stride(1) // sword,
         ypair.stride(1), ypair.stride(0), ids, out, sem_dn, E, topk, out.stride(0),
         IS_NV=is_nv, DOT_FP32=dot_fp32, USE_DOT=use_dot, SWAP_AB=swap, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS,
         DECODE32=dec2, FASTDEC=fast, XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        FOLD=fold, RKC=_row_chunk(I // 2 // split // GS, rowmax),
+        FOLD=fold, RKC=_row_chunk(ks2, rowmax), W16=w16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **regcap)
     if not fold:
         BH = min(1024, triton.next_power_of_2(H))

@@ -154,13 +154,24 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128,
        num_stages=4),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=32, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
+    # round 9: W16 (int16 weight words, int32 scale words: the dot's B operand descends from
+    # 16/32-bit loads, kWidth 2, no register moves rebuilding x's fragments; sm_90 SASS per
+    # K-step: gate/up with ROWMAX 513-546 instructions against 620, down at BK2 256 495 against 635)
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128, SPLIT1=2, SPLIT2=2, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=256, BK2=256),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True, num_stages=4),
+    _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128),
 ]
 
 
 def short(cfg: dict) -> str:
     d = dict(cfg)
     kind = ("swapAB" if d.pop("SWAP_AB", False) else "dot") if d.pop("USE_DOT") else "fma"
-    flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC", "XPRE", "ROWMAX") if d.get(k))
+    flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC", "XPRE", "ROWMAX", "W16", "FOLD") if d.get(k))
     return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
             f"S{d.get('SPLIT1', 1)}/{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}"
             + (f" r{d['MAXNREG']}" if d.get("MAXNREG") else ""))

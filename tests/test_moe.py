@@ -260,6 +260,20 @@ def test_rowmax_chunked_row_max(monkeypatch, chunk):
                                      XPRE=True), 192, 64)
 
 
+# W16 (kernels/moe.py): int16 weight words, int32 scale words, x and act in four planes; a
+# K-step must hold 4 scale bytes a row (MXFP4 BK >= 128, NVFP4 BK >= 64), hence H 256, I 128
+W16_VARIANTS = [dict(BM=16, BN1=32, BN2=16, BK1=128, BK2=128, XPRE=True, W16=True),
+                dict(BM=16, BN1=16, BN2=32, BK1=128, BK2=128, XPRE=True, W16=True, ROWMAX=True,
+                     SPLIT1=2, SPLIT2=2, FASTDEC=True),
+                dict(BM=16, BN1=32, BN2=32, BK1=256, BK2=128, XPRE=True, W16=True, SPLIT1=2)]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("cfg", W16_VARIANTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_triton_w16_mixed_scales(fmt, cfg):
+    _mixed_scales_case(fmt, cfg, 256, 128)
+
+
 # DECODE32: int32 words of 4 packed bytes, K permuted alike for x and w, four K = BK/8 dot
 # slices a step (tensor cores need BK >= 128, hence the larger H and I)
 # (DECODE32 was timed slower than the default on the H200: two CPU cases keep its code
@@ -388,6 +402,36 @@ def test_fastdec_ptx_bits_equal_reference_decode(fmt):
     assert (want_lo == torch.tensor(-32768, dtype=torch.int16)).any()   # -0 kept (code 8)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_w16_ptx_bits_equal_reference_decode(fmt):
+    # W16_ASM (kernels/moe.py): int16 words of 4 nibbles (elements 4q .. 4q+3), two words a
+    # call ($4) with one fp16 multiplier each ($5) -> output r = nibble r of both words, scaled;
+    # run by the same numpy model of the opcodes, against the reference decode, bit for bit,
+    # over every 16-bit word with multipliers the kernel can build
+    import numpy as np
+    from dsv4lab.kernels import moe as kmoe
+    if fmt == "mxfp4":
+        mults = torch.tensor([0.0] + [2.0 ** e for e in range(-14, 16)])
+    else:
+        b = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
+        mults = b.view(torch.float8_e4m3fn).float()
+    mults = mults.to(torch.float16)
+    g = torch.Generator().manual_seed(1)
+    words = torch.arange(65536, dtype=torch.int32)
+    mult = mults[torch.randint(0, mults.numel(), (65536,), generator=g)]
+    # the reference: nibble r of word q is packed byte 2q + r // 2's low (r even) or high nibble
+    v = mxfp4_dequantize(words.to(torch.int16).view(torch.uint8).view(1, -1),
+                         torch.full((1, 65536 * 4 // 32), 127, dtype=torch.uint8)).view(65536, 4)
+    want = ((v * 2.0 ** -14).to(torch.float16) * mult[:, None]).view(torch.int16)
+    w32 = words.numpy().astype(np.uint32).reshape(-1, 2)            # two words a call
+    m = mult.numpy().view(np.uint16).astype(np.uint32).reshape(-1, 2)
+    regs = _ptx_run(kmoe.W16_ASM, {4: w32[:, 0] | w32[:, 1] << 16, 5: m[:, 0] | m[:, 1] << 16})
+    for r in range(4):
+        out = regs[f"${r}"]
+        got = np.stack([out & 0xFFFF, out >> 16], axis=1).reshape(-1).astype(np.uint16).view(np.int16)
+        assert torch.equal(torch.from_numpy(got), want[:, r]), f"nibble {r}: mismatches"
+
+
 def test_ptx_model_opcodes():
     # the emulator itself, on cases worked by hand from the PTX ISA
     import numpy as np
@@ -466,23 +510,31 @@ def test_triton_bad_config():
     # the promoted decode default has FASTDEC on: DECODE32 on top of it is refused
     with pytest.raises(ValueError, match="FASTDEC and DECODE32"):
         kmoe.fused_moe(*args, config=dict(DECODE32=True))
+    # W16: tensor cores and the pre-split x, no swap/DECODE32/FOLD; a K-step of 4 scale words
+    with pytest.raises(ValueError, match="W16 needs USE_DOT and XPRE"):
+        kmoe.fused_moe(*args, config=dict(plain, W16=True))
+    with pytest.raises(ValueError, match="W16 needs USE_DOT and XPRE"):
+        kmoe.fused_moe(*args, config=dict(plain, W16=True, XPRE=True, FOLD=True))
+    with pytest.raises(ValueError, match="W16 reads a K-step's scale bytes"):
+        kmoe.fused_moe(*args, config=dict(plain, W16=True, XPRE=True, BK1=32, BK2=32))
 
 
+@pytest.mark.parametrize("planes", [2, 4])
 @pytest.mark.parametrize("H", [64, 96, 2176])
-def test_xpre_kernel_layout(H):
-    # XPRE's one-launch copy of x: fp16 x * 2**-8, even columns then odd ones, bit for bit the
-    # torch expression it replaced (H = 96: a half-row of 48 in a 64-wide block; 2176: two
-    # blocks, the second partial)
+def test_xpre_kernel_layout(H, planes):
+    # XPRE's one-launch copy of x: fp16 x * 2**-8, column c in plane c % planes (2: even columns
+    # then odd ones; 4: W16's K phases), bit for bit the torch expression (H = 96: a part-row in
+    # a 64-wide block; 2176: two blocks, the second partial)
     import triton
     from dsv4lab.kernels import moe as kmoe
     for dt in (torch.float32, torch.bfloat16):
         x = (torch.randn(3, H, generator=torch.Generator().manual_seed(H)) * 100).to(dt)
         x[0, :4] = torch.tensor([1e-7, -3e5, 0.0, 6e4 * 256])   # subnormal, large, 0, near max
-        want = (x.float() * kmoe.X_PRESCALE).to(torch.float16).view(3, H // 2, 2).transpose(1, 2)
+        want = (x.float() * kmoe.X_PRESCALE).to(torch.float16).view(3, H // planes, planes).transpose(1, 2)
         got = torch.full((3, H), float("nan"), dtype=torch.float16)
-        BX = min(1024, triton.next_power_of_2(H // 2))
-        kmoe._moe_xpre_kernel[(3, triton.cdiv(H // 2, BX))](x, got, H // 2, x.stride(0),
-                                                           got.stride(0), BH=BX)
+        BX = min(1024, triton.next_power_of_2(H // planes))
+        kmoe._moe_xpre_kernel[(3, triton.cdiv(H // planes, BX))](x, got, H // planes, x.stride(0),
+                                                                got.stride(0), BH=BX, PLANES=planes)
         assert torch.equal(got.view(torch.int16), want.reshape(3, H).view(torch.int16))
 
 
