@@ -282,6 +282,12 @@ def _row_smax(s_row, nmask, KS, RKC: tl.constexpr):
 # Per int16 pair (pack = 2): output r holds nibble r of both words as fp16 ``value * 2**-14``
 # (the FASTDEC bit placement: (t | t >> 3) & 0x8E008E00 with the nibble at bits 12..15 of its
 # half), times the multipliers $5.
+# Measured (H200, scripts/tune_moe.py at 6e90014, MXFP4): slower, 83.0 vs 68.3 us at T = 1
+# and 1400-1556 vs 1052.8 us at T = 64 (NVFP4 alike), although the offline SASS has fewer
+# instructions a K-step (gate/up with ROWMAX 513-546 against 620; down at BK2 256, 495
+# against 635): the scale words' byte split costs cross-thread shuffles and shared-memory
+# round trips (STS/SHFL in the loop), and the kernels take 42 / 33 KB of shared memory
+# against 25 / 17 KB. A variant, not a default.
 W16_ASM = """
 {
 .reg .b32 t, u;

@@ -156,7 +156,8 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=32, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
     # round 9: W16 (int16 weight words, int32 scale words: the dot's B operand descends from
     # 16/32-bit loads, kWidth 2, no register moves rebuilding x's fragments; sm_90 SASS per
-    # K-step: gate/up with ROWMAX 513-546 instructions against 620, down at BK2 256 495 against 635)
+    # K-step: gate/up with ROWMAX 513-546 instructions against 620, down at BK2 256 495 against 635;
+    # timed at 6e90014: slower everywhere, e.g. #85 1555.9 vs #77 1052.8 us, #88 83.0 vs #60 68.3)
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=256, ROWMAX=True, MAXNREG=128),
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128, ROWMAX=True),
