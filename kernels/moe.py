@@ -285,9 +285,13 @@ def _row_smax(s_row, nmask, KS, RKC: tl.constexpr):
 # Measured (H200, scripts/tune_moe.py at 6e90014, MXFP4): slower, 83.0 vs 68.3 us at T = 1
 # and 1400-1556 vs 1052.8 us at T = 64 (NVFP4 alike), although the offline SASS has fewer
 # instructions a K-step (gate/up with ROWMAX 513-546 against 620; down at BK2 256, 495
-# against 635): the scale words' byte split costs cross-thread shuffles and shared-memory
-# round trips (STS/SHFL in the loop), and the kernels take 42 / 33 KB of shared memory
-# against 25 / 17 KB. A variant, not a default.
+# against 635): at kWidth 2 the decoded weights no longer come out of the decode in the dot
+# operand's layout, so every K-step stores them to shared memory and reads them back with
+# ldmatrix behind barriers (16 STS.128 and 8 BAR a gate/up step; 42 / 33 KB of shared memory
+# against 25 / 17 KB), and splitting the scale words into bytes adds warp shuffles. The same
+# round trip appears when the byte decode's asm is made non-pure to stop Triton's bit-width
+# walk (checked offline, not timed). The register moves of kWidth 4 are the cheaper price.
+# A variant, not a default.
 W16_ASM = """
 {
 .reg .b32 t, u;
