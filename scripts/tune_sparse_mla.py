@@ -43,6 +43,8 @@ def label(c) -> str:
     s += " lazy" if c.lazy else ""
     s += f" sp{c.splits}" if c.splits else ""
     s += "" if c.fp8_hw is None else (" hw" if c.fp8_hw else " bits")
+    s += "".join(f" {k}" for k in ("prefetch", "pipe_gather", "fp8_fast", "kq_t", "split_qk")
+                 if getattr(c, k, False))
     return s
 
 
@@ -67,6 +69,12 @@ def plan(dry: bool) -> list[dict]:
             C(32, 4, 2, 32), C(32, 4, 2, 16, lazy=True), C(32, 16, 2)]
     small = [base, C(32, 8, 2, splits=8), C(32, 8, 2, splits=4), C(32, 4, 2, 16),
              C(32, 4, 2, 32), C(64, 8, 2), C(32, 8, 2, lazy=True), C(32, 16, 2)]
+    from dsv4lab.kernels.sparse_mla_mma import Config
+    fp8_small = [base, C(32, 4, 2, 16), C(32, 8, 2, 32), Config(32, 4, 2, 16, fp8_fast=True),
+                 Config(32, 8, 2, 64, fp8_fast=True, split_qk=True),
+                 Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
+                 Config(32, 4, 3, 16, pipe_gather=True, fp8_fast=True),
+                 Config(32, 4, 2, 32, fp8_fast=True), C(32, 8, 2, splits=8)]
     mid64 = big + [C(32, 8, 2, splits=1), C(64, 8, 2, splits=1), C(32, 16, 2, splits=1),
                    C(32, 8, 2, lazy=True, splits=1), C(32, 8, 2, splits=3)]
     return [
@@ -83,6 +91,10 @@ def plan(dry: bool) -> list[dict]:
                     C(16, 8, 2, lazy=True, splits=1)]),
         dict(name="B1 S1 T640 fp8", B=1, S=1, topk=640, fp8=True,
              cands=[base, C(32, 4, 2, 16), C(32, 8, 2, splits=5), C(16, 4, 2, 16)]),
+        # the FP8 "small" class (3..16 query rows) had no table entry: the neighbours' winners
+        # (tiny: N32 w4 h16; mid: N64 w8 s3 h64 with the fp8_fast / PIPE_GATHER / SPLIT_QK loop)
+        dict(name="B8 S1 T2048 fp8", B=8, S=1, topk=2048, fp8=True, cands=fp8_small),
+        dict(name="B4 S2 T2048 fp8", B=4, S=2, topk=2048, fp8=True, cands=fp8_small),
     ]
 
 
