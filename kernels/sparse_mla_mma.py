@@ -506,9 +506,9 @@ class Config(NamedTuple):
 # capability's candidates on first use.
 #
 # From the 2026-11-29 H200 sweep (scripts/tune_sparse_mla.py; CUDA-graph timings, H 64,
-# D 512). 'fp8 small' was not swept, and the fp8 winners around it disagree (tiny:
-# N32 w4 h16, mid: N32 w8 h64), so it is not guessed: it keeps the default path (timed on
-# first use). No H100 entry: the same sm_90 die, but not measured, less HBM bandwidth
+# D 512). 'fp8 small' was swept last (session 3, fbf6a61, B8 S1 and B4 S2 at topk 2048): the
+# mid/large loop (N64 w8 s3, PIPE_GATHER, fp8_fast, SPLIT_QK) won both, 27.0 / 25.9 us against
+# 38.4 / 37.4 for N32 w8 s2 and 97 us for the tiny class's N32 w4 h16. No H100 entry: the same sm_90 die, but not measured, less HBM bandwidth
 # (3.35 vs 4.8 TB/s) moves the balance these winners strike, and torch reports it as
 # "NVIDIA H100 80GB HBM3" / "NVIDIA H100 PCIe" (114 SMs), which this exact-name lookup
 # would have to list one by one.
@@ -524,6 +524,7 @@ DEVICE_TABLE: dict = {
         # (571.3 with Config(64, 8, 2), 423.3 with fp8fast_pg_n32_s4), 99.2 us at B64 S1 T2048
         ("fp8", "large"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
         ("fp8", "mid"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
+        ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None),    # 17.6 us at B1 S1 T640
     },
 }
