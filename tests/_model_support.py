@@ -1,4 +1,4 @@
-"""What the model, engine and speculative-decoding tests share."""
+"""What the model, engine and speculative-decoding tests share (and fixtures other test modules import)."""
 import pytest
 import torch
 
@@ -14,3 +14,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """fp32 references' matmuls must be fp32 (dsv4lab.train turns TF32 on globally); autouse
+    in the modules that import it."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev

@@ -23,7 +23,7 @@ from dsv4lab import backends, ops
 from dsv4lab.kernels import linear_small as K
 from dsv4lab.ops.linear import AUTO_MAX_WEIGHT, MAX_ROWS, pick_backend
 
-from _model_support import TORCH, _one_thread  # noqa: F401  (autouse fixture)
+from _model_support import TORCH, _no_tf32, _one_thread  # noqa: F401  (autouse fixtures)
 
 CUDA = torch.cuda.is_available()
 CKPT = Path(__file__).resolve().parent.parent / "data" / "checkpoints" / "mini.safetensors"
@@ -44,15 +44,6 @@ PLAIN_CPU = backends.Target("cpu", None, False)
 OUT_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 OUT_ABS = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 2.0 ** -24}
 ACC = 2.1 * 2.0 ** -24
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """The reference's fp32 matmul must be fp32 (dsv4lab.train turns TF32 on globally)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _check(y, x, w):

@@ -21,6 +21,8 @@ from dsv4lab.model import HCHead, HyperConnection
 from dsv4lab.ops import mhc_head, mhc_post, mhc_pre
 from dsv4lab.ops.mhc import sinkhorn
 
+from _model_support import _no_tf32  # noqa: F401  (autouse fixture)
+
 CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,15 +37,6 @@ TOL = {torch.float32: dict(rtol=1e-4, atol=1e-5),
        torch.bfloat16: dict(rtol=1e-2, atol=1e-4),
        torch.float16: dict(rtol=2e-3, atol=1e-4)}
 FP32 = TOL[torch.float32]
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """The references' fp32 matmuls must be fp32 (dsv4lab.train turns TF32 on globally)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _close(got, ref, dtype):
