@@ -211,6 +211,28 @@ def _e4m3_bits_to_f16(b):
 
 
 @triton.jit
+def _scale_split(sb, IS_NV: tl.constexpr, BN: tl.constexpr, smax_row=0,
+                 ROWMAX: tl.constexpr = False):
+    """A K-step's block-scale bytes [BN, NSC] -> ``(mult, colf)``: fp16 multipliers for the
+    decoded weights [BN, NSC] and the fp32 factor [BN] the step's dot still needs (the split
+    :func:`_w_tile` describes; NVFP4: the E4M3 scale, colf 1; MXFP4 with ROWMAX: smax is
+    ``smax_row``)."""
+    if IS_NV:
+        mult = _e4m3_bits_to_f16(sb)
+        colf = tl.full((BN,), 1.0, tl.float32)
+    else:
+        si = sb.to(tl.int32)
+        if ROWMAX:
+            smax = smax_row
+        else:
+            smax = tl.max(si, axis=1)
+        e = si - smax[:, None] + 15
+        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
+        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    return mult, colf
+
+
+@triton.jit
 def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
             BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr, FASTDEC: tl.constexpr = False,
             smax_row=0, ROWMAX: tl.constexpr = False):
@@ -233,18 +255,7 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
     NSC: tl.constexpr = BKH // GS
     p = tl.load(w_tile, mask=nmask[:, None], other=0)
     sb = tl.load(s_tile, mask=nmask[:, None], other=0)
-    if IS_NV:
-        mult = _e4m3_bits_to_f16(sb)
-        colf = tl.full((BN,), 1.0, tl.float32)
-    else:
-        si = sb.to(tl.int32)
-        if ROWMAX:
-            smax = smax_row
-        else:
-            smax = tl.max(si, axis=1)
-        e = si - smax[:, None] + 15
-        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
-        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    mult, colf = _scale_split(sb, IS_NV, BN, smax_row, ROWMAX)
     mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS)), (BN, BKH))
     if FASTDEC:       # the same bits from packed 32-bit PTX (GPU only; see FASTDEC_ASM)
         wlo, whi = _e2m1_scaled_fast(p, mexp)
@@ -253,19 +264,23 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr,
 
 
 @triton.jit
-def _row_smax(s_row, nmask, KS, RKC: tl.constexpr):
+def _row_smax(s_row, nmask, KS, RKC: tl.constexpr, WORDS: tl.constexpr = False):
     """ROWMAX: the largest MXFP4 scale byte of each row over its KS scale bytes (``s_row``:
     [BN] pointers to each row's first scale byte of the slice), read RKC bytes a row at a
     time: one wide load a row for Flash's slices (KS <= RKC = 128), where a loop over the K
     loop's own [BN, BKH // GS] scale tiles paid one memory latency per step before the first
     weight byte was read. ``2**(s - smax + 15)`` then stays exact for blocks within 2**24 of
     the row's largest over the slice (flushed below 2**-29 of it: a contribution under 2**-29
-    of the row's largest block's, per block)."""
+    of the row's largest block's, per block). WORDS (W16): pointers, KS and RKC count int32
+    words of 4 scale bytes."""
     kc = tl.arange(0, RKC)
     m = tl.zeros(nmask.shape, dtype=tl.int32)
     for k0 in range(0, KS, RKC):
         sb = tl.load(s_row[:, None] + (k0 + kc)[None, :],
                      mask=nmask[:, None] & (kc < KS - k0)[None, :], other=0)
+        if WORDS:
+            j = tl.arange(0, 4)
+            sb = tl.max((sb[:, :, None] >> (8 * j)[None, None, :]) & 0xFF, axis=2)
         m = tl.maximum(m, tl.max(sb.to(tl.int32), axis=1))
     return m
 
@@ -344,19 +359,7 @@ def _w_tile16(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, Q2: 
     block scale applied; colf as in :func:`_w_tile` (the same scale split, bit for bit)."""
     NSC: tl.constexpr = (2 * Q2) // GS
     p = tl.load(w_tile, mask=nmask[:, None], other=0)
-    si = _scale_bytes16(s_tile, nmask, BN, NSC)
-    if IS_NV:
-        b = si.to(tl.int16)
-        mult = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
-        colf = tl.full((BN,), 1.0, tl.float32)
-    else:
-        if ROWMAX:
-            smax = smax_row
-        else:
-            smax = tl.max(si, axis=1)
-        e = si - smax[:, None] + 15
-        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
-        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    mult, colf = _scale_split(_scale_bytes16(s_tile, nmask, BN, NSC), IS_NV, BN, smax_row, ROWMAX)
     mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS // 2)), (BN, Q2))
     if FASTDEC:
         w0, w1, w2, w3 = tl.inline_asm_elementwise(_W16_ASM, "=r,=r,=r,=r,r,r", [p, mexp],
@@ -364,20 +367,6 @@ def _w_tile16(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, Q2: 
         return w0, w1, w2, w3, colf
     return (_e2m1_nibble16(p, 0) * mexp, _e2m1_nibble16(p, 1) * mexp,
             _e2m1_nibble16(p, 2) * mexp, _e2m1_nibble16(p, 3) * mexp, colf)
-
-
-@triton.jit
-def _row_smax16(s_row, nmask, KSW, RKC: tl.constexpr):
-    """W16 ROWMAX: :func:`_row_smax` over int32 scale words (KSW words a row, RKC at a time)."""
-    kc = tl.arange(0, RKC)
-    j = tl.arange(0, 4)
-    m = tl.zeros(nmask.shape, dtype=tl.int32)
-    for k0 in range(0, KSW, RKC):
-        sw = tl.load(s_row[:, None] + (k0 + kc)[None, :],
-                     mask=nmask[:, None] & (kc < KSW - k0)[None, :], other=0)
-        sb = (sw[:, :, None] >> (8 * j)[None, None, :]) & 0xFF
-        m = tl.maximum(m, tl.max(tl.max(sb, axis=2), axis=1))
-    return m
 
 
 @triton.jit
@@ -418,15 +407,7 @@ def _w_words(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, Q: tl
     NSC: tl.constexpr = (4 * Q) // GS
     wd = tl.load(w_tile, mask=nmask[:, None], other=0)
     sb = tl.load(s_tile, mask=nmask[:, None], other=0)
-    if IS_NV:
-        mult = _e4m3_bits_to_f16(sb)
-        colf = tl.full((BN,), 1.0, tl.float32)
-    else:
-        si = sb.to(tl.int32)
-        smax = tl.max(si, axis=1)
-        e = si - smax[:, None] + 15
-        mult = tl.where(e >= -14, (e + 15) << 10, 0).to(tl.int16).to(tl.float16, bitcast=True)
-        colf = ((smax + 7) << 23).to(tl.float32, bitcast=True)
+    mult, colf = _scale_split(sb, IS_NV, BN)
     mexp = tl.reshape(tl.broadcast_to(mult[:, :, None], (BN, NSC, GS // 4)), (BN, Q))
     return wd, mexp, colf
 
@@ -592,8 +573,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
         smax_g = tl.zeros((BN,), dtype=tl.int32)
         smax_u = tl.zeros((BN,), dtype=tl.int32)
         if ROWMAX:
-            smax_g = _row_smax16(s32, nmask, KS_SPLIT, RKC)
-            smax_u = _row_smax16(s32 + I * stride_sn, nmask, KS_SPLIT, RKC)
+            smax_g = _row_smax(s32, nmask, KS_SPLIT, RKC, True)
+            smax_u = _row_smax(s32 + I * stride_sn, nmask, KS_SPLIT, RKC, True)
         for k1 in range(0, KH_SPLIT, Q2):
             x0, x1, x2, x3 = _x_planes(x16, k1, XO_OFF, mmask)
             w0, w1, w2, w3, cf = _w_tile16(wg16 + k1, sg32 + k1 // (2 * GS), nmask, IS_NV, BN, Q2,
@@ -782,7 +763,7 @@ def _moe_down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_
         a16 = act_ptr + (start + offs_m).to(tl.int64)[:, None] * stride_act + kq[None, :] + kbase
         smax = tl.zeros((BN,), dtype=tl.int32)
         if ROWMAX:
-            smax = _row_smax16(s32, nmask, KS_SPLIT, RKC)
+            smax = _row_smax(s32, nmask, KS_SPLIT, RKC, True)
         for k1 in range(0, KH_SPLIT, Q2):
             x0, x1, x2, x3 = _x_planes(a16, k1, XO_OFF, mmask)
             w0, w1, w2, w3, cf = _w_tile16(w16 + k1, s32[:, None] + kw[None, :] + k1 // (2 * GS), nmask,
