@@ -1103,14 +1103,14 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         raise ValueError(f"config: W16 reads a K-step's scale bytes as int32 words, so BK1 and BK2 "
                          f"must hold a multiple of 4 scales ({8 * GS} elements for {fmt}); got "
                          f"BK1={BK1}, BK2={BK2} (after fitting H={H}, I={I})")
-    if w16:                                       # word loads: realign offset views
-        w13, w2 = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (w13, w2))
+    # word loads (DECODE32, W16: also the scales) from an offset view: realign
+    if (dec1 or w16) and w13.data_ptr() % 16:
+        w13 = w13.clone()
+    if (dec2 or w16) and w2.data_ptr() % 16:
+        w2 = w2.clone()
+    if w16:
         w13_scale, w2_scale = (t if t.data_ptr() % 16 == 0 else t.clone()
                                 for t in (w13_scale, w2_scale))
-    if dec1 and w13.data_ptr() % 16:             # an offset view: realign for word loads
-        w13 = w13.clone()
-    if dec2 and w2.data_ptr() % 16:
-        w2 = w2.clone()
     fold = bool(cfg.get("FOLD", False))
     if fold and dec32:
         raise ValueError("config: FOLD is not implemented with DECODE32")
