@@ -297,8 +297,9 @@ def _row_smax(s_row, nmask, KS, RKC: tl.constexpr, WORDS: tl.constexpr = False):
 # Per int16 pair (pack = 2): output r holds nibble r of both words as fp16 ``value * 2**-14``
 # (the FASTDEC bit placement: (t | t >> 3) & 0x8E008E00 with the nibble at bits 12..15 of its
 # half), times the multipliers $5.
-# Measured (H200, scripts/tune_moe.py at 6e90014, MXFP4): slower, 83.0 vs 68.3 us at T = 1
-# and 1400-1556 vs 1052.8 us at T = 64 (NVFP4 alike), although the offline SASS has fewer
+# Measured (H200, MXFP4; `dsv4lab bench moe` rows at 10c5467): slower, 83.2 vs 68.2 us at T = 1
+# and 1519.6 vs 1029.0 us at T = 64 (NVFP4 alike; scripts/tune_moe.py at 6e90014 agrees: 83.0
+# vs 68.3 and 1400-1556 vs 1052.8 us), although the offline SASS has fewer
 # instructions a K-step (gate/up with ROWMAX 513-546 against 620; down at BK2 256, 495
 # against 635): at kWidth 2 the decoded weights no longer come out of the decode in the dot
 # operand's layout, so every K-step stores them to shared memory and reads them back with
@@ -986,7 +987,9 @@ _FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
 # wide load a row), a 256-element down K step and 128 hidden columns a down program: 1052.5 /
 # 1058.1 us (BN2 64) against 1080.5 us for _FX128 (-2.6%); ROWMAX alone at BK2 128 was slower
 # (1258.9). NVFP4 keeps _FX (ROWMAX does not apply to it). T = 1: no config beat _FX128_S2
-# (deeper pipelines, split-K 4, BN 32, swap AB, the CUDA-core path: all slower).
+# (deeper pipelines, split-K 4, BN 32, swap AB, the CUDA-core path: all slower). Recorded rows
+# (`dsv4lab bench moe`, data/results/moe.jsonl at 29d0355 and 10c5467, 160 experts hit): the
+# promoted default 1028.5 / 1029.0 us against 1050.0 us for triton_fd_xpre_bk128 (_FX128).
 _FX128_RM = dict(_FX128, BN2=128, BK2=256, ROWMAX=True)
 CONFIGS = [
     (1.0, dict(mxfp4=_FX128_S2, nvfp4=_FX128_S2)),             # T=1, T=8

@@ -129,7 +129,7 @@ VARIANTS = [
     # W16 (kernels/moe.py): int16 weight words and int32 scale words, so the dot's B operand
     # descends from 16/32-bit loads (kWidth 2: x's MMA fragments loaded in place, no register
     # moves), x and act in four K-phase planes; on the T = 1 and T = 64 MXFP4 defaults
-    # (tune_moe at 6e90014: 83.0 vs 68.3 us at T = 1, 1555.9 vs 1052.8 us at T = 64: slower)
+    # (recorded at 10c5467: 83.2 vs 68.2 us at T = 1, 1519.6 vs 1029.0 us at T = 64: slower)
     ("triton_fd_xpre_w16_bk128_s2", dict(_FX128, SPLIT1=2, SPLIT2=2, W16=True)),
     ("triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256", dict(_FX128, ROWMAX=True, BN2=128, BK2=256,
                                                          W16=True)),
