@@ -485,7 +485,11 @@ class Config(NamedTuple):
     dequant in fp32 (FP8 KV only; no effect on bf16); ``kq_t``: the KQ_T loop (scores
     transposed, S^T = K Q^T, so the tile rows are the MMA's M side; ignores ``lazy``);
     ``split_qk``: SPLIT_QK (the scores' dot split by columns between the warp groups instead
-    of computed by both; the plain or PIPE_GATHER loop, bf16 and FP8; ignores ``lazy``)."""
+    of computed by both; the plain or PIPE_GATHER loop, bf16 and FP8; ignores ``lazy``);
+    ``ws``: the warp-specialised kernel (kernels/sparse_mla_ws.py: a producer warp group
+    gathers ``block_n``-row tiles into a ring of ``num_stages`` buffers, two consumer warp
+    groups compute) where it applies (capability 9.x/10.x, bf16/fp16 q and cache, 64 heads,
+    D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -498,6 +502,7 @@ class Config(NamedTuple):
     fp8_fast: bool = False
     kq_t: bool = False
     split_qk: bool = False
+    ws: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -602,6 +607,14 @@ VARIANTS: dict = {
     # num 6. (bf16 at 16 warps: the same layouts, N32 s3 0 spills; not a row.)
     "fp8fast_sqk_pg_n32_s4_w16": Config(32, 16, 4, 64, pipe_gather=True, fp8_fast=True,
                                         split_qk=True),
+    # The warp-specialised kernel (kernels/sparse_mla_ws.py; bf16/fp16 KV on sm_90/sm_100;
+    # elsewhere, and for FP8 KV, the plain loop at N32 w8 s3 / N64 w8 s2): a ring of three
+    # 32-row or two 64-row tiles, the lazy rescale or not. sm_90, triton 3.6, compiled
+    # offline: 197 / 230 KB shared memory, 168 registers a thread at launch (producer 40,
+    # consumers 232 after setmaxnreg), no spills at N32, 136 B at N64.
+    "ws_n32_b3": Config(32, 8, 3, 64, ws=True),
+    "ws_n32_b3_lazy": Config(32, 8, 3, 64, lazy=True, ws=True),
+    "ws_n64_b2_lazy": Config(64, 8, 2, 64, lazy=True, ws=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -749,6 +762,12 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
         tune_key = _bucket(n_prog * splits) * 32 + _bucket(split_rows)
         config = _pick_config(dev, block_h, (block_h, D, d_v, fp8, split, str(q.dtype), tune_key),
                               launch, tune)
+    if config.ws and block_h == 64:
+        from dsv4lab.kernels import sparse_mla_ws
+        if sparse_mla_ws.supported(q, kv, fp8, d_v):
+            return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
+                                               block_n=config.block_n, num_buf=config.num_stages,
+                                               lazy=config.lazy)
     launch(config)
     if split:
         _combine_kernel[(B * S_q * H,)](

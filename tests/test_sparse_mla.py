@@ -589,3 +589,91 @@ def test_mma_split_qk_matches_reference(loop, dtype, splits, d_v, lazy):
     assert out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref.float(), **TOL[tol])
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[tol], rtol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# The warp-specialised kernel (kernels/sparse_mla_ws.py): sm_90 / sm_100, bf16/fp16 KV
+# ----------------------------------------------------------------------------------------
+
+def _ws_applies():
+    if not ON_GPU:
+        return False
+    from dsv4lab.kernels import sparse_mla_ws
+    q = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16, device="cuda")
+    return sparse_mla_ws.supported(q, torch.empty(4, 512, dtype=torch.bfloat16, device="cuda"),
+                                   False, 512)
+
+
+WS_GPU = pytest.mark.skipif(not _ws_applies(), reason="needs a Hopper/Blackwell datacenter GPU")
+
+
+def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None):
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    cfg = mma_variants()[variant]
+    if splits is not None:
+        cfg = cfg._replace(splits=splits)
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=LSE_TOL[q.dtype], rtol=0)
+
+
+@pytest.mark.gpu
+@WS_GPU
+@pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (8, 2, 2048), (64, 1, 2048),
+                                        (128, 2, 2048), (3, 4, 777), (5, 1, 1), (2, 3, 33)])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_n32_b3_lazy", "ws_n64_b2_lazy"])
+def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
+    """Real shapes, -1 slots, duplicates, an all -1 query, topk 1 / 33 / 777 (not a
+    multiple of the 32-row tile), with the planned split-KV."""
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, sink=sink, seed=B * 7 + S,
+                                empty_rows=[(0, 0)], device="cuda")
+    _ws_check(q, kv, idx, snk, variant)
+
+
+@pytest.mark.gpu
+@WS_GPU
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_ws_splits_and_fp16(splits, dtype):
+    """Forced split counts (1 = unsplit) and fp16; a -1 tail inside one split."""
+    q, kv, idx, snk = make_case(6, 2, 64, 512, 8192, 1500, dtype=dtype, sink=True, seed=splits,
+                                empty_rows=[(1, 1)], device="cuda")
+    idx[2, 0, 300:] = -1
+    _ws_check(q, kv, idx, snk, splits=splits)
+
+
+@pytest.mark.gpu
+@WS_GPU
+def test_gpu_ws_ratio128_long_lists():
+    """A ratio-128 layer's max-context list (-1 up to 8320 slots): trimmed, same answer."""
+    q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, sink=True, empty_frac=0.0,
+                                seed=5, device="cuda")
+    for b, n in enumerate([128 + 1, 128 + 700, 128 + 8192]):
+        idx[b, :, n:] = -1
+    _ws_check(q, kv, idx, snk)
+
+
+@pytest.mark.gpu
+@WS_GPU
+def test_gpu_ws_cuda_graph_capture():
+    """Replays from a CUDA graph with new inputs in the same buffers."""
+    from dsv4lab.ops.attention import sparse_mla_decode_with_config
+    q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, sink=True, device="cuda")
+    sparse_mla_decode_with_config(q, kv, idx, config="ws_n32_b3", attn_sink=snk,
+                                  check_indices=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sparse_mla_decode_with_config(q, kv, idx, config="ws_n32_b3", attn_sink=snk,
+                                                 check_indices=False)
+    q.copy_(torch.randn_like(q))
+    idx.copy_(torch.randint_like(idx, 0, 4096))
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)

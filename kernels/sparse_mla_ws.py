@@ -1,0 +1,315 @@
+"""Sparse MLA decode, warp-specialised (Hopper and newer; Gluon): gather and math overlap.
+
+kernels/sparse_mla_mma.py runs every step of a tile (gather the rows, Q K^T, softmax,
+P V) in the same warps, one after the other; measured on an H200
+(scripts/profile_sparse_mla.py) its loop costs about as much with the rows in L2 as from
+HBM: the math chain, not memory, sets its pace, and the gathers only partly hide behind
+it. This kernel gives each job its own warps (Triton's Gluon dialect, which exposes
+shared memory, mbarriers, ``cp.async`` and ``wgmma`` directly):
+
+* a **producer** warp group gathers tile after tile of selected latent rows by
+  ``cp.async`` into a ring of ``NUM_BUF`` shared-memory buffers, signalling each full
+  buffer on an mbarrier, and waits only for a buffer the consumers have released;
+* two **consumer** warp groups split the head dimension D = 512 in halves. Consumer w
+  computes its half of the scores, S_w = Q[:, w] K[:, w]^T (wgmma, Q and K from shared
+  memory), swaps S_w with the other consumer through shared memory (a parity-double
+  buffer and an mbarrier each way), and both finish the same online softmax on
+  S = S_0 + S_1. P stays in registers as the A operand of acc_w += P V[:, w], where
+  V[:, w] is the same tile's columns w (d_v = D: V is the latent row itself). Each
+  consumer holds a [64 heads, 256] fp32 accumulator; the two halves of every output row
+  are written by their consumer.
+
+So a tile's bytes cross HBM once, while the consumers work on an earlier tile, and the
+scores need no cross-warp-group reduction (each consumer has all of S). The split-KV
+partials (normalised output and base-2 log-sum-exp) are those of the MMA kernel and are
+merged by its ``_combine_kernel``.
+
+Scope: bf16 (or fp16) q and KV cache, H = 64 heads (one block), D = d_v = 512, on
+capability 9.x and 10.x with Triton's Gluon; everything else (the interpreter, sm_80,
+sm_120, FP8 KV, other shapes) runs kernels/sparse_mla_mma.py.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+
+HEADS = gl.constexpr(64)
+DIM = gl.constexpr(512)
+HALF = gl.constexpr(256)      # the columns of D (and d_v) one consumer owns
+
+
+@gluon.jit
+def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr):
+    """One past the last valid slot of ``idx_row[start:end]`` (``start`` if none): the
+    -1 tail of a long list costs no tile (as kernels/sparse_mla_mma.py's _trim_tail)."""
+    layout: gl.constexpr = gl.BlockedLayout([SCAN_N // (32 * num_warps)], [32], [num_warps], [0])
+    last = start - 1
+    hi = end
+    while (hi > start) & (last < start):
+        offs = hi - SCAN_N + gl.arange(0, SCAN_N, layout=layout)
+        ic = gl.load(idx_row + offs, mask=(offs >= start) & (offs < hi), other=-1)
+        last = gl.maximum(last, gl.max(gl.where(ic >= 0, offs, start - 1), axis=0))
+        hi -= SCAN_N
+    return last + 1
+
+
+@gluon.jit
+def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              lazy):
+    """4 warps: Q once, then the KV ring (cp.async; a buffer is refilled once both
+    consumers released it). The next tile's indices are loaded before the wait for its
+    buffer, so their latency hides behind the consumers' work."""
+    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
+    NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, gather)
+    cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
+    h = gl.arange(0, HEADS, layout=rows_l)
+    async_copy.async_copy_global_to_shared(q_smem, q_row + h[:, None] * DIM + cols[None, :])
+    async_copy.mbarrier_arrive(q_bar)
+    mbarrier.arrive(q_bar, count=1)
+
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    offs = start + gl.arange(0, BLOCK_N, layout=rows_l)
+    idx = gl.load(idx_row + offs, mask=offs < end, other=-1)
+    for i in range(n_tiles):
+        buf = i % NUM_BUF
+        valid = idx >= 0
+        ptrs = kv_ptr + gl.where(valid, idx, 0).to(gl.int64)[:, None] * DIM + cols[None, :]
+        offs = start + (i + 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
+        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)      # tile i + 1's slots
+        mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
+        # masked rows are zero-filled: P = 0 there, and 0 * V stays 0
+        async_copy.async_copy_global_to_shared(kv_smem.index(buf), ptrs, mask=valid[:, None])
+        async_copy.mbarrier_arrive(kv_ready.index(buf))
+        mbarrier.arrive(kv_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              lazy, W: gl.constexpr):
+    """4 warps, columns [W * 256, W * 256 + 256) of D and of d_v."""
+    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
+    NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
+    S_BUFS: gl.constexpr = s_smem.type.shape[0] // 2     # 2: parity-double-buffered swap
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
+    acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
+    s0 = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
+    q_half = q_smem.slice(W * HALF, HALF, dim=1)
+    mbarrier.wait(q_bar, 0)
+
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    for i in range(n_tiles):
+        buf = i % NUM_BUF
+        offs = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+        valid = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
+        mbarrier.wait(kv_ready.index(buf), (i // NUM_BUF) & 1)
+        kv = kv_smem.index(buf)
+        s = warpgroup_mma(q_half, kv.slice(W * HALF, HALF, dim=1).permute([1, 0]), s0,
+                          use_acc=False)
+        # swap the half-scores with the other consumer. Two buffers a side: a buffer is
+        # rewritten two tiles later, after the other consumer signalled the tile in between
+        # (so after it read this one). One buffer a side: the reader frees it (s_free).
+        sb = W * S_BUFS + i % S_BUFS
+        ob = (1 - W) * S_BUFS + i % S_BUFS
+        if S_BUFS == 1:
+            mbarrier.wait(s_free.index(W), (i & 1) ^ 1)
+        s_smem.index(sb).store(s)
+        gl.thread_barrier()
+        mbarrier.arrive(s_ready.index(sb), count=1)
+        mbarrier.wait(s_ready.index(ob), (i // S_BUFS) & 1)
+        s = (s + s_smem.index(ob).load(s_layout)) * qk_scale
+        if S_BUFS == 1:
+            gl.thread_barrier()
+            mbarrier.arrive(s_free.index(1 - W), count=1)
+        s = gl.where(valid[None, :], s, float("-inf"))
+
+        m_tile = gl.max(s, axis=1)
+        if lazy:
+            # move the running max (and rescale acc) only once some head's max grew by more
+            # than 2^8: p <= 256 meanwhile, and most tiles skip the [64, 256] multiply.
+            # Both consumers hold the same S, so they decide alike.
+            if gl.max(gl.where(m_tile > m_i + 8.0, 1, 0), axis=0) > 0:
+                m_new = gl.maximum(m_i, m_tile)
+                alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+                l_i = l_i * alpha
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                m_i = m_new
+            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+            l_i += gl.sum(p, axis=1)
+        else:
+            m_new = gl.maximum(m_i, m_tile)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(kv_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, kv.slice(W * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(buf), count=1)     # the tile's last reader is done
+
+    # epilogue: this consumer's half of each output row (lse from consumer 0)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+    c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    has = l_o > 0
+    if split:
+        o = acc / gl.where(has, l_o, 1.0)[:, None]
+        lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
+        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+        if W == 0:
+            gl.store(lpart_ptr + prow + h, lse2)
+    else:
+        if has_sink:
+            sk = gl.load(sink_ptr + h).to(gl.float32) * 1.4426950408889634
+            m_f = gl.maximum(m_o, sk)
+            a = gl.exp2(m_o - m_f)
+            denom = l_o * a + gl.exp2(sk - m_f)
+            o = acc * (a / denom)[:, None]
+            lse = (m_f + gl.log2(denom)) * 0.6931471805599453
+        else:
+            o = acc / gl.where(has, l_o, 1.0)[:, None]
+            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+        gl.store(out_ptr + (orow + h)[:, None] * DIM + c[None, :], o.to(out_ptr.dtype.element_ty))
+        if W == 0:
+            gl.store(lse_ptr + orow + h, lse)
+
+
+@gluon.jit
+def _consumer0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+               lazy):
+    _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              lazy, 0)
+
+
+@gluon.jit
+def _consumer1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+               lazy):
+    _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              lazy, 1)
+
+
+@gluon.jit
+def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, opart_ptr,
+                          lpart_ptr, topk, num_splits, split_rows, qk_scale, lazy,
+                          BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, S_BUFS: gl.constexpr,
+                          HAS_SINK: gl.constexpr,
+                          SPLIT: gl.constexpr, SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    # program -> (query position, split). (Constexprs do not cross into warp_specialize's
+    # partitions: the partitions read BLOCK_N and NUM_BUF off the ring's shape, and take
+    # HAS_SINK and SPLIT as uniform runtime flags.)
+    pid = gl.program_id(0)
+    sp = pid % num_splits
+    bs = (pid // num_splits).to(gl.int64)
+    start = sp * split_rows
+    end = gl.minimum(start + split_rows, topk)
+    idx_row = idx_ptr + bs * topk
+    end = _trim_end(idx_row, start, end, SCAN_N, num_warps)
+    q_row = q_ptr + bs * (HEADS * DIM)
+
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [HEADS, DIM],
+                                       gl.NVMMASharedLayout.get_default_for([HEADS, DIM], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DIM],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, DIM], dtype))
+    s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    s_ready = gl.allocate_shared_memory(gl.int64, [2 * S_BUFS, 1], mbarrier.MBarrierLayout())
+    s_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for b in gl.static_range(NUM_BUF):
+        mbarrier.init(kv_ready.index(b), count=1)
+        mbarrier.init(kv_empty.index(b), count=2)          # released by both consumers
+    for b in gl.static_range(2 * S_BUFS):
+        mbarrier.init(s_ready.index(b), count=1)
+    for b in gl.static_range(2):
+        mbarrier.init(s_free.index(b), count=1)
+
+    prow = (bs * num_splits + sp) * HEADS
+    orow = bs * HEADS
+    args = (q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem,
+            (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
+            opart_ptr, lpart_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
+    # the producer is the default partition (the kernel's 4 warps); the consumers are workers
+    gl.warp_specialize([(_producer, args), (_consumer0, args), (_consumer1, args)],
+                       [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def s_bufs(block_n: int, num_buf: int) -> int:
+    """Score-swap buffers a consumer: two (parity) when they fit beside Q (64 KB) and the
+    ring, else one (64-row tiles, two ring buffers: 224 KB of the 227 KB)."""
+    ring = num_buf * block_n * DIM * 2
+    return 2 if HEADS * DIM * 2 + ring + 4 * HEADS * block_n * 4 <= 200 * 1024 else 1
+
+
+def supported(q, kv, fp8: bool, d_v: int) -> bool:
+    """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
+    shared memory; sm_120 has 99 KB), 16-bit q and cache, 64 heads, D = d_v = 512."""
+    if fp8 or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
+        return False
+    B, S_q, H, D = q.shape
+    return (H == HEADS and D == DIM and d_v == DIM and kv.dtype == q.dtype and kv.dim() == 2
+            and kv.shape[-1] == DIM and kv.is_contiguous() and q.is_contiguous()
+            and kv.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0)   # 16-byte cp.async
+
+
+def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
+                  lazy=False, scan_n=512):
+    """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
+
+    q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype, indices int32 [B, S_q, topk],
+    sink fp32 [64] or None; ``splits`` / ``split_rows`` as planned by
+    kernels/sparse_mla_mma.py -> (out [B, S_q, 64, 512], lse fp32 [B, S_q, 64])."""
+    from dsv4lab.kernels.sparse_mla_mma import LOG2E, _combine_kernel
+    B, S_q, H, D = q.shape
+    topk = indices.shape[-1]
+    dev = q.device
+    out = torch.empty(B, S_q, H, D, dtype=q.dtype, device=dev)
+    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
+    split = splits > 1
+    if split:
+        opart = torch.empty(B * S_q * splits * H * D, dtype=torch.float32, device=dev)
+        lpart = torch.empty(B * S_q * splits * H, dtype=torch.float32, device=dev)
+    else:
+        opart = lpart = lse       # unused
+    _sparse_mla_ws_kernel[(B * S_q * splits,)](
+        q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
+        topk, splits, split_rows, scale * LOG2E, int(lazy),
+        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf),
+        HAS_SINK=sink is not None, SPLIT=split,
+        SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
+    if split:
+        _combine_kernel[(B * S_q * H,)](
+            opart, lpart, sink if sink is not None else lse, out, lse, H, splits,
+            DV=D, BLOCK_DV=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            HAS_SINK=sink is not None, num_warps=4)
+    return out, lse
