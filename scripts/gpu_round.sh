@@ -3,8 +3,12 @@
 # benchmarks; rows go to $OUT/results (fetched and appended to data/results/ afterwards).
 #   usage (on the device): bash scripts/gpu_round.sh "tests/test_a.py tests/test_b.py" bench1 bench2 ...
 # Wheels for papermill/jupyter (absent on the device image) travel in .whl/ when present.
+# The rows' commit label: $DSV4LAB_COMMIT, else .dsv4lab_commit (write it before the call,
+#   git rev-parse --short HEAD > .dsv4lab_commit, and carry it: device copies have no .git).
 set -u
 export PYTHONUNBUFFERED=1 DSV4LAB_RESULTS_DIR="$OUT/results" NCCL_NVLS_ENABLE=0
+export DSV4LAB_COMMIT="${DSV4LAB_COMMIT:-$(cat .dsv4lab_commit 2>/dev/null || echo unknown)}"
+echo "rows labelled commit $DSV4LAB_COMMIT"
 mkdir -p "$OUT/results"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -16,13 +16,12 @@ For each shape it times (CUDA graphs, like ``dsv4lab bench sparse_mla``):
 * ``kernel_splitsN``: the default configuration with N split-KV ranges;
 * ``ws_*`` (bf16): the warp-specialised kernel's variants, on the same three index sets.
 
-Prints a table and writes it to $OUT/profile_sparse_mla.json. Diagnostic output, not
-recorded rows.
+Prints a table and records its rows (with their provenance) to
+``sparse_mla_profile.jsonl`` in the results directory ($DSV4LAB_RESULTS_DIR on the device,
+data/results/ otherwise).
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -158,10 +157,8 @@ def main():
             flat = idx.flatten()
             record(shape, "index_select (r+w)",
                    t(lambda: torch.index_select(kv, 0, flat)), 2 * uniq * row_bytes)
-    out = Path(os.environ.get("OUT", ".")) / "profile_sparse_mla.json"
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "versions": runtime.versions(),
-                               "rows": results}, indent=1))
-    print(f"wrote {out}")
+    from dsv4lab import results as recorded
+    print(f"recorded {len(results)} rows to {recorded.record('sparse_mla_profile', results)}")
 
 
 if __name__ == "__main__":
