@@ -102,3 +102,39 @@ def plot_bytes_model(models, *, ax=None):
     ax.set_ylabel("KV MB read per step")
     ax.legend(fontsize=8)
     return ax
+
+
+PROFILE_BARS = (("kernel", "HBM rows (what the benchmark times)", "#1f77b4"),
+                ("kernel_l2", "rows in L2: the math chain alone", "#9467bd"),
+                ("gather_only", "bare gather of the same rows", "#ff7f0e"),
+                ("ws_n32_b3", "warp-specialised (ws_n32_b3)", "#2ca02c"),
+                ("ws_n32_b3_l2", "warp-specialised, rows in L2", "#98df8a"),
+                ("kernel_empty", "every slot -1: the per-call overhead", "#7f7f7f"))
+
+
+def plot_time_split(rows, *, ax=None):
+    """Bars per target shape from ``results.load("sparse_mla_profile")``
+    (scripts/profile_sparse_mla.py): the kernel on HBM rows, on L2-resident rows, a bare
+    gather of the same rows (the best of its tilings), the warp-specialised kernel, and an
+    empty call. Newest row per (shape, what)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4))
+    rows = results.latest([r for r in rows if "bf16" in r.get("shape", "")], ("shape", "what", "gpu"))
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: (len(s), s))
+    if not shapes:
+        note(ax, "no recorded profile rows yet (scripts/profile_sparse_mla.py on a GPU)")
+        return ax
+    width = 0.8 / len(PROFILE_BARS)
+    for k, (what, label, color) in enumerate(PROFILE_BARS):
+        ys = []
+        for shape in shapes:
+            us = [r["us"] for r in rows if r["shape"] == shape and
+                  (r["what"] == what or (what == "gather_only" and r["what"].startswith(what)))]
+            ys.append(min(us) if us else 0.0)
+        ax.bar([i + (k - len(PROFILE_BARS) / 2 + 0.5) * width for i in range(len(shapes))], ys,
+               width=width, color=color, label=label)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes, fontsize=8)
+    ax.set_ylabel("us per call")
+    ax.legend(fontsize=7, loc="upper left")
+    return ax
