@@ -607,6 +607,23 @@ def _ws_applies():
 WS_GPU = pytest.mark.skipif(not _ws_applies(), reason="needs a Hopper/Blackwell datacenter GPU")
 
 
+def test_ws_applies_only_where_it_can():
+    """The warp-specialised kernel takes 16-bit q and cache, 64 heads, D = d_v = 512 on a
+    CUDA GPU of capability 9/10; anything else (CPU, FP8, other shapes) stays on the MMA
+    kernel. Its score-swap buffers: two a side while they fit, one at 64-row tiles."""
+    from dsv4lab.kernels import sparse_mla_ws
+    q = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16)
+    kv = torch.empty(8, 512, dtype=torch.bfloat16)
+    assert not sparse_mla_ws.supported(q, kv, False, 512)                 # CPU tensors
+    if ON_GPU:
+        cq, ckv = q.cuda(), kv.cuda()
+        assert not sparse_mla_ws.supported(cq, pack_kv_fp8(ckv.float()), True, 512)
+        assert not sparse_mla_ws.supported(cq[:, :, :32].contiguous(), ckv, False, 512)
+        assert not sparse_mla_ws.supported(cq, ckv, False, 448)
+        assert not sparse_mla_ws.supported(cq.float(), ckv.float(), False, 512)
+    assert sparse_mla_ws.s_bufs(32, 3) == 2 and sparse_mla_ws.s_bufs(64, 2) == 1
+
+
 def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None):
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
     cfg = mma_variants()[variant]
