@@ -489,7 +489,9 @@ class Config(NamedTuple):
     ``ws``: the warp-specialised kernel (kernels/sparse_mla_ws.py: a producer warp group
     gathers ``block_n``-row tiles into a ring of ``num_stages`` buffers, two consumer warp
     groups compute) where it applies (capability 9.x/10.x, bf16/fp16 q and cache, 64 heads,
-    D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere."""
+    D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere;
+    ``seesaw``: with ``ws``, the consumers own alternate tiles (full scores each) instead of
+    halves of D."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -503,6 +505,7 @@ class Config(NamedTuple):
     kq_t: bool = False
     split_qk: bool = False
     ws: bool = False
+    seesaw: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -615,6 +618,8 @@ VARIANTS: dict = {
     "ws_n32_b3": Config(32, 8, 3, 64, ws=True),
     "ws_n32_b3_lazy": Config(32, 8, 3, 64, lazy=True, ws=True),
     "ws_n64_b2_lazy": Config(64, 8, 2, 64, lazy=True, ws=True),
+    "ws_ss_n32_b3": Config(32, 8, 3, 64, ws=True, seesaw=True),
+    "ws_ss_n32_b4": Config(32, 8, 4, 64, ws=True, seesaw=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -767,7 +772,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
         if sparse_mla_ws.supported(q, kv, fp8, d_v):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
                                                block_n=config.block_n, num_buf=config.num_stages,
-                                               lazy=config.lazy)
+                                               lazy=config.lazy, seesaw=config.seesaw)
     launch(config)
     if split:
         _combine_kernel[(B * S_q * H,)](

@@ -56,7 +56,41 @@ def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr
 
 
 @gluon.jit
-def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
+              has_sink, split, W: gl.constexpr):
+    """This consumer's half of each output row (lse from consumer 0): the split partial, or
+    the normalised output with the sink."""
+    o_layout: gl.constexpr = acc.type.layout
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
+    h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
+    c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    has = l_o > 0
+    if split:
+        o = acc / gl.where(has, l_o, 1.0)[:, None]
+        lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
+        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+        if W == 0:
+            gl.store(lpart_ptr + prow + h, lse2)
+    else:
+        if has_sink:
+            sk = gl.load(sink_ptr + h).to(gl.float32) * 1.4426950408889634
+            m_f = gl.maximum(m_o, sk)
+            a = gl.exp2(m_o - m_f)
+            denom = l_o * a + gl.exp2(sk - m_f)
+            o = acc * (a / denom)[:, None]
+            lse = (m_f + gl.log2(denom)) * 0.6931471805599453
+        else:
+            o = acc / gl.where(has, l_o, 1.0)[:, None]
+            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+        gl.store(out_ptr + (orow + h)[:, None] * DIM + c[None, :], o.to(out_ptr.dtype.element_ty))
+        if W == 0:
+            gl.store(lse_ptr + orow + h, lse)
+
+
+@gluon.jit
+def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
               lazy):
     """4 warps: Q once, then the KV ring (cp.async; a buffer is refilled once both
@@ -74,6 +108,8 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars,
     mbarrier.arrive(q_bar, count=1)
 
     n_tiles = gl.cdiv(end - start, BLOCK_N)
+    if s_smem.dtype.primitive_bitwidth == 16:
+        n_tiles = 2 * gl.cdiv(n_tiles, 2)      # seesaw: whole pairs (a last odd tile's twin is all -1)
     offs = start + gl.arange(0, BLOCK_N, layout=rows_l)
     idx = gl.load(idx_row + offs, mask=offs < end, other=-1)
     for i in range(n_tiles):
@@ -90,7 +126,7 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars,
 
 
 @gluon.jit
-def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
               lazy, W: gl.constexpr):
     """4 warps, columns [W * 256, W * 256 + 256) of D and of d_v."""
@@ -165,57 +201,130 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars,
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(buf), count=1)     # the tile's last reader is done
 
-    # epilogue: this consumer's half of each output row (lse from consumer 0)
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
-    h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
-    c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    has = l_o > 0
-    if split:
-        o = acc / gl.where(has, l_o, 1.0)[:, None]
-        lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
-        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
-        if W == 0:
-            gl.store(lpart_ptr + prow + h, lse2)
-    else:
-        if has_sink:
-            sk = gl.load(sink_ptr + h).to(gl.float32) * 1.4426950408889634
-            m_f = gl.maximum(m_o, sk)
-            a = gl.exp2(m_o - m_f)
-            denom = l_o * a + gl.exp2(sk - m_f)
-            o = acc * (a / denom)[:, None]
-            lse = (m_f + gl.log2(denom)) * 0.6931471805599453
-        else:
-            o = acc / gl.where(has, l_o, 1.0)[:, None]
-            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-        gl.store(out_ptr + (orow + h)[:, None] * DIM + c[None, :], o.to(out_ptr.dtype.element_ty))
-        if W == 0:
-            gl.store(lse_ptr + orow + h, lse)
+    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
+              has_sink, split, W)
 
 
 @gluon.jit
-def _consumer0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars,
+                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
+                 split, lazy, W: gl.constexpr):
+    """Seesaw: consumer W owns tiles 2j + W. It computes their full scores (all of D) and
+    softmax, publishes P (bf16) with its row maxima, and accumulates its half of d_v over
+    both tiles of the pair, rescaling the other consumer's P to its own running max on
+    arrival. Each consumer keeps a complete online-softmax state (max, sum, half the
+    output), so the two only meet through the P buffers, never in lock-step."""
+    q_bar, kv_ready, kv_empty, p_ready, p_free = bars
+    NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
+    acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
+    s0 = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(q_bar, 0)
+
+    n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
+    for j in range(n_pairs):
+        par = j % 2
+        t = 2 * j + W
+        buf = t % NUM_BUF
+        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+        valid = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
+        mbarrier.wait(kv_ready.index(buf), (t // NUM_BUF) & 1)
+        kv = kv_smem.index(buf)
+        s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None]).to(kv_smem.dtype)
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        # publish P and the max it is relative to (two buffers a side; the reader frees one)
+        mine = W * 2 + par
+        mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
+        p_smem.index(mine).store(p)
+        m_smem.index(mine).store(m_i)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(mine), count=1)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1), acc,
+                            is_async=True)
+        # the other consumer's tile of the pair, rescaled to this consumer's running max
+        theirs = (1 - W) * 2 + par
+        t2 = 2 * j + 1 - W
+        buf2 = t2 % NUM_BUF
+        mbarrier.wait(p_ready.index(theirs), (j // 2) & 1)
+        p_o = p_smem.index(theirs).load(s_layout).to(gl.float32)
+        m_o = m_smem.index(theirs).load(row_l)
+        gl.thread_barrier()
+        mbarrier.arrive(p_free.index(theirs), count=1)
+        m_new = gl.maximum(m_i, m_o)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p2 = p_o * gl.exp2(m_o - m_safe)[:, None]
+        l_i = l_i * alpha + gl.sum(p2, axis=1)
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        mbarrier.wait(kv_ready.index(buf2), (t2 // NUM_BUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p2.to(kv_smem.dtype), p_layout),
+                            kv_smem.index(buf2).slice(W * HALF, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(buf), count=1)        # both tiles: both consumers
+        mbarrier.arrive(kv_empty.index(buf2), count=1)       # read each (count 2)
+    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
+              has_sink, split, W)
+
+
+@gluon.jit
+def _consumer0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
                sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
                lazy):
-    _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+    _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
               lazy, 0)
 
 
 @gluon.jit
-def _consumer1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+def _consumer1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
                sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
                lazy):
-    _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, bars, qk_scale,
+    _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
               lazy, 1)
+
+
+@gluon.jit
+def _seesaw0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
+             sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split, lazy):
+    _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
+                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
+                 split, lazy, 0)
+
+
+@gluon.jit
+def _seesaw1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
+             sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split, lazy):
+    _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
+                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
+                 split, lazy, 1)
 
 
 @gluon.jit
 def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, opart_ptr,
                           lpart_ptr, topk, num_splits, split_rows, qk_scale, lazy,
                           BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, S_BUFS: gl.constexpr,
+                          SEESAW: gl.constexpr,
                           HAS_SINK: gl.constexpr,
                           SPLIT: gl.constexpr, SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -236,30 +345,38 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                                        gl.NVMMASharedLayout.get_default_for([HEADS, DIM], dtype))
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, DIM], dtype))
-    s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    if SEESAW:      # P exchange: bf16 [4, 64, BLOCK_N] and the row maxima it is relative to
+        s_smem = gl.allocate_shared_memory(dtype, [4, HEADS, BLOCK_N],
+                                           gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    else:           # score swap: fp32 halves
+        s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
+                                           gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    m_smem = gl.allocate_shared_memory(gl.float32, [4, HEADS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    s_ready = gl.allocate_shared_memory(gl.int64, [2 * S_BUFS, 1], mbarrier.MBarrierLayout())
-    s_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    s_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    s_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for b in gl.static_range(NUM_BUF):
         mbarrier.init(kv_ready.index(b), count=1)
         mbarrier.init(kv_empty.index(b), count=2)          # released by both consumers
-    for b in gl.static_range(2 * S_BUFS):
+    for b in gl.static_range(4):
         mbarrier.init(s_ready.index(b), count=1)
-    for b in gl.static_range(2):
         mbarrier.init(s_free.index(b), count=1)
 
     prow = (bs * num_splits + sp) * HEADS
     orow = bs * HEADS
-    args = (q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem,
+    args = (q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem,
             (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
             opart_ptr, lpart_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
-    gl.warp_specialize([(_producer, args), (_consumer0, args), (_consumer1, args)],
-                       [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    if SEESAW:
+        gl.warp_specialize([(_producer, args), (_seesaw0, args), (_seesaw1, args)],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([(_producer, args), (_consumer0, args), (_consumer1, args)],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def s_bufs(block_n: int, num_buf: int) -> int:
@@ -283,7 +400,7 @@ def supported(q, kv, fp8: bool, d_v: int) -> bool:
 
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
-                  lazy=False, scan_n=512):
+                  lazy=False, seesaw=False, scan_n=512):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype, indices int32 [B, S_q, topk],
@@ -304,7 +421,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     _sparse_mla_ws_kernel[(B * S_q * splits,)](
         q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
         topk, splits, split_rows, scale * LOG2E, int(lazy),
-        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf),
+        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
     if split:
