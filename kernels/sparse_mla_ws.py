@@ -246,15 +246,20 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None]).to(kv_smem.dtype)
-        l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+        p32 = gl.exp2(s - m_safe[:, None])
+        rsum = gl.sum(p32, axis=1)
+        p = p32.to(kv_smem.dtype)
+        l_i = l_i * alpha + rsum
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-        # publish P and the max it is relative to (two buffers a side; the reader frees one)
+        # publish P, the max it is relative to and its fp32 row sums (the sums of the
+        # rounded P would put a bf16 rounding into the other consumer's log-sum-exp); two
+        # buffers a side, the reader frees one
         mine = W * 2 + par
         mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
         p_smem.index(mine).store(p)
         m_smem.index(mine).store(m_i)
+        m_smem.index(4 + mine).store(rsum)
         gl.thread_barrier()
         mbarrier.arrive(p_ready.index(mine), count=1)
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1), acc,
@@ -266,13 +271,15 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         mbarrier.wait(p_ready.index(theirs), (j // 2) & 1)
         p_o = p_smem.index(theirs).load(s_layout).to(gl.float32)
         m_o = m_smem.index(theirs).load(row_l)
+        rsum_o = m_smem.index(4 + theirs).load(row_l)
         gl.thread_barrier()
         mbarrier.arrive(p_free.index(theirs), count=1)
         m_new = gl.maximum(m_i, m_o)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p2 = p_o * gl.exp2(m_o - m_safe)[:, None]
-        l_i = l_i * alpha + gl.sum(p2, axis=1)
+        beta = gl.exp2(m_o - m_safe)
+        p2 = p_o * beta[:, None]
+        l_i = l_i * alpha + rsum_o * beta
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=[acc])
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
@@ -351,7 +358,8 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     else:           # score swap: fp32 halves
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    m_smem = gl.allocate_shared_memory(gl.float32, [4, HEADS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer
+    m_smem = gl.allocate_shared_memory(gl.float32, [8, HEADS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())

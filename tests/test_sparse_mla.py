@@ -679,16 +679,16 @@ def test_gpu_ws_ratio128_long_lists(variant):
 
 @pytest.mark.gpu
 @WS_GPU
-def test_gpu_ws_cuda_graph_capture():
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
+def test_gpu_ws_cuda_graph_capture(variant):
     """Replays from a CUDA graph with new inputs in the same buffers."""
     from dsv4lab.ops.attention import sparse_mla_decode_with_config
     q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, sink=True, device="cuda")
-    sparse_mla_decode_with_config(q, kv, idx, config="ws_n32_b3", attn_sink=snk,
-                                  check_indices=False)
+    sparse_mla_decode_with_config(q, kv, idx, config=variant, attn_sink=snk, check_indices=False)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = sparse_mla_decode_with_config(q, kv, idx, config="ws_n32_b3", attn_sink=snk,
+        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, attn_sink=snk,
                                                  check_indices=False)
     q.copy_(torch.randn_like(q))
     idx.copy_(torch.randint_like(idx, 0, 4096))
