@@ -3,30 +3,42 @@
 kernels/sparse_mla_mma.py runs every step of a tile (gather the rows, Q K^T, softmax,
 P V) in the same warps, one after the other; measured on an H200
 (scripts/profile_sparse_mla.py) its loop costs about as much with the rows in L2 as from
-HBM: the math chain, not memory, sets its pace, and the gathers only partly hide behind
-it. This kernel gives each job its own warps (Triton's Gluon dialect, which exposes
-shared memory, mbarriers, ``cp.async`` and ``wgmma`` directly):
+HBM: the math chain, not memory, sets its pace. This kernel gives each job its own warps
+(Triton's Gluon dialect, which exposes shared memory, mbarriers, ``cp.async`` and
+``wgmma`` directly):
 
 * a **producer** warp group gathers tile after tile of selected latent rows by
   ``cp.async`` into a ring of ``NUM_BUF`` shared-memory buffers, signalling each full
   buffer on an mbarrier, and waits only for a buffer the consumers have released;
-* two **consumer** warp groups split the head dimension D = 512 in halves. Consumer w
-  computes its half of the scores, S_w = Q[:, w] K[:, w]^T (wgmma, Q and K from shared
-  memory), swaps S_w with the other consumer through shared memory (a parity-double
-  buffer and an mbarrier each way), and both finish the same online softmax on
-  S = S_0 + S_1. P stays in registers as the A operand of acc_w += P V[:, w], where
-  V[:, w] is the same tile's columns w (d_v = D: V is the latent row itself). Each
-  consumer holds a [64 heads, 256] fp32 accumulator; the two halves of every output row
-  are written by their consumer.
+* two **consumer** warp groups share the math. Each holds a [64 heads, 256] fp32
+  accumulator: half of d_v (V is the latent row itself, d_v = D = 512), so the two
+  halves of every output row are written by their consumer.
 
-So a tile's bytes cross HBM once, while the consumers work on an earlier tile, and the
-scores need no cross-warp-group reduction (each consumer has all of S). The split-KV
-partials (normalised output and base-2 log-sum-exp) are those of the MMA kernel and are
-merged by its ``_combine_kernel``.
+How the consumers share the scores is the whole difference, and was measured both ways:
+
+* **Seesaw** (``SEESAW``, the H200 default for 17+ query rows): consumer w owns the
+  tiles 2j + w. It computes their full scores Q K^T (all of D), runs their softmax,
+  publishes P (bf16) with the row maxima it is relative to and its fp32 row sums, and
+  accumulates its half of d_v over *both* tiles of the pair, rescaling the other
+  consumer's P to its own running max as it arrives. Each consumer so keeps a complete
+  online-softmax state (max, sum, half the output); the two meet only through the P
+  buffers (two a side), and one consumer's softmax runs while the other's matmuls do.
+  H200, B 128 / S_q 2 / topk 2048: 188 us, against 240 for the MMA kernel.
+* **D split** (the ``ws_n*`` variants): consumer w computes the scores' half-sum
+  Q[:, w] K[:, w]^T and swaps it with the other consumer through shared memory; both then
+  run the same softmax. Its time from HBM equals its time from L2 (the gathers are fully
+  hidden), but the swap puts the consumers in lock-step (both multiply, then both wait,
+  then both run the softmax), and it is no faster than the MMA kernel (258 us).
+
+The split-KV partials (normalised output and base-2 log-sum-exp) are those of the MMA
+kernel and are merged by its ``_combine_kernel``. Constexprs do not cross into Gluon's
+warp-specialised partitions (Triton 3.6): the partitions read BLOCK_N, NUM_BUF and the
+design off their shared-memory buffers' shapes and types.
 
 Scope: bf16 (or fp16) q and KV cache, H = 64 heads (one block), D = d_v = 512, on
 capability 9.x and 10.x with Triton's Gluon; everything else (the interpreter, sm_80,
-sm_120, FP8 KV, other shapes) runs kernels/sparse_mla_mma.py.
+sm_120, FP8 KV, other shapes) runs kernels/sparse_mla_mma.py. Explained in
+notebooks/02_mma_attention.ipynb.
 """
 import torch
 import triton
@@ -413,7 +425,10 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype, indices int32 [B, S_q, topk],
     sink fp32 [64] or None; ``splits`` / ``split_rows`` as planned by
-    kernels/sparse_mla_mma.py -> (out [B, S_q, 64, 512], lse fp32 [B, S_q, 64])."""
+    kernels/sparse_mla_mma.py -> (out [B, S_q, 64, 512], lse fp32 [B, S_q, 64]).
+    ``block_n`` rows a tile, ``num_buf`` ring buffers, ``seesaw`` the consumers' design (see
+    the module docstring; seesaw needs ``num_buf`` >= 3 to prefetch while a pair is in
+    use), ``lazy`` the D-split consumers' lazy rescale (seesaw ignores it)."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, _combine_kernel
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
