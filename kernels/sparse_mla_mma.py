@@ -523,11 +523,11 @@ class Config(NamedTuple):
 DEVICE_TABLE: dict = {
     "NVIDIA H200": {
         # bf16 large/mid: variant ws_ss_n32_b4, the warp-specialised seesaw kernel
-        # (kernels/sparse_mla_ws.py; b40c5b4 printout of scripts/profile_sparse_mla.py):
-        # 192.5 us at B128 S2 T2048, 62.7 us at B64 S1, 102.1 us at B128 S1, against 239.5 /
-        # 79.4 / 126.4 for the previous entry, sqk_n64 = Config(64, 8, 2, 64, split_qk=True)
-        # (which had replaced Config(64, 8, 2): 294.9 / 91.9 us). Elsewhere (H != 64, sm_80,
-        # sm_120) this entry runs the plain loop at N32 w8 s4.
+        # (kernels/sparse_mla_ws.py). Recorded at 3e241a5 (sparse_mla.jsonl, variant rows):
+        # 187.9 us at B128 S2 T2048 and 63.1 us at B64 S1 against 241.6 / 79.6 for the
+        # previous entry, sqk_n64 = Config(64, 8, 2, 64, split_qk=True) (which had replaced
+        # Config(64, 8, 2): 294.9 / 91.9 us); the whole mid/large sweep moved 1.1-1.3x, none
+        # slower. Elsewhere (H != 64, sm_80, sm_120) this entry runs the plain loop, N32 w8 s4.
         ("bf16", "large"): Config(32, 8, 4, 64, ws=True, seesaw=True),
         ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True),
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
