@@ -137,6 +137,13 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         mbarrier.arrive(kv_ready.index(buf), count=1)
 
 
+@triton.constexpr_function
+def _wgmma_layout(n):
+    """One consumer warp group's wgmma accumulator layout for [64, n] (the scores: n =
+    BLOCK_N; its output half: n = 256)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
@@ -146,10 +153,8 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     S_BUFS: gl.constexpr = s_smem.type.shape[0] // 2     # 2: parity-double-buffered swap
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HALF)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -229,10 +234,8 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     q_bar, kv_ready, kv_empty, p_ready, p_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = _wgmma_layout(HALF)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -343,13 +346,13 @@ def _seesaw1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem
 def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, opart_ptr,
                           lpart_ptr, topk, num_splits, split_rows, qk_scale, lazy,
                           BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, S_BUFS: gl.constexpr,
-                          SEESAW: gl.constexpr,
-                          HAS_SINK: gl.constexpr,
-                          SPLIT: gl.constexpr, SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          SEESAW: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+                          SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
-    # partitions: the partitions read BLOCK_N and NUM_BUF off the ring's shape, and take
-    # HAS_SINK and SPLIT as uniform runtime flags.)
+    # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
+    # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
+    # runtime flags.)
     pid = gl.program_id(0)
     sp = pid % num_splits
     bs = (pid // num_splits).to(gl.int64)
