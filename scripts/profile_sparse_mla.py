@@ -63,10 +63,9 @@ def _gather_sum_kernel(kv_ptr, idx_ptr, out_ptr, topk, split_rows, num_splits,
     tl.store(out_ptr + pid.to(tl.int64) * D + offs_d, tl.sum(acc, axis=0))
 
 
-def gather_only(kv, idx, splits, block_n, warps, stages):
+def gather_only(kv, idx, splits, rows, block_n, warps, stages):
+    """``splits`` ranges of ``rows`` slots, as kernels/sparse_mla_mma.py plans them."""
     B, S, T = idx.shape
-    rows = triton.cdiv(triton.cdiv(T, splits), 64) * 64
-    splits = triton.cdiv(T, rows)
     out = torch.empty(B * S * splits, D, device=kv.device, dtype=torch.float32)
     _gather_sum_kernel[(B * S * splits,)](kv, idx, out, T, rows, splits, D=D, BLOCK_N=block_n,
                                           num_warps=warps, num_stages=stages)
@@ -146,11 +145,11 @@ def main():
             record(shape, f"kernel_splits{sp}", t(lambda sp=sp: call(idx, sp)))
         if not fp8:
             n_prog = B * S
-            splits = mma.plan_splits(n_prog, T, sm_count(dev, cpu=8))[0]
+            splits, rows = mma.plan_splits(n_prog, T, sm_count(dev, cpu=8))
             for bn, w, st in ((64, 8, 3), (32, 8, 4), (64, 4, 2), (32, 4, 3)):
                 try:
-                    gather_only(kv, idx, splits, bn, w, st)
-                    us = t(lambda bn=bn, w=w, st=st: gather_only(kv, idx, splits, bn, w, st))
+                    gather_only(kv, idx, splits, rows, bn, w, st)
+                    us = t(lambda bn=bn, w=w, st=st: gather_only(kv, idx, splits, rows, bn, w, st))
                     record(shape, f"gather_only N{bn} w{w} s{st} sp{splits}", us, uniq * row_bytes)
                 except Exception as e:   # e.g. out of shared memory
                     print(f"gather_only N{bn} w{w} s{st}: {type(e).__name__}: {str(e)[:120]}")
