@@ -60,6 +60,12 @@ def check_against_reference(q, kv, idx, sink, backend, d_v, scale=None):
                                  backend=backend)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=d_v, softmax_scale=scale, attn_sink=sink,
                                      backend="torch")
+    return assert_matches_reference(q, out, lse, ref, ref_lse)
+
+
+def assert_matches_reference(q, out, lse, ref, ref_lse):
+    """(out, lse) of a kernel against the fp32 reference's, at q's dtype tolerance: the
+    same shapes and dtypes, lse finite exactly where the reference's is, -inf elsewhere."""
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
     torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
@@ -631,10 +637,7 @@ def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None):
         cfg = cfg._replace(splits=splits)
     out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(fin, torch.isfinite(lse))
-    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=LSE_TOL[q.dtype], rtol=0)
+    assert_matches_reference(q, out, lse, ref, ref_lse)
 
 
 @pytest.mark.gpu
