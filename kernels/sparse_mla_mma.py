@@ -491,7 +491,8 @@ class Config(NamedTuple):
     groups compute) where it applies (capability 9.x/10.x, bf16/fp16 q and cache, 64 heads,
     D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere;
     ``seesaw``: with ``ws``, the consumers own alternate tiles (full scores each) instead of
-    halves of D."""
+    halves of D; ``merge_pair``: with ``ws`` and exactly two split-KV ranges, the two
+    programs of a query merge their partials themselves (no combine kernel)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -506,6 +507,7 @@ class Config(NamedTuple):
     split_qk: bool = False
     ws: bool = False
     seesaw: bool = False
+    merge_pair: bool = True
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -624,6 +626,9 @@ VARIANTS: dict = {
     "ws_n64_b2_lazy": Config(64, 8, 2, 64, lazy=True, ws=True),
     "ws_ss_n32_b3": Config(32, 8, 3, 64, ws=True, seesaw=True),
     "ws_ss_n32_b4": Config(32, 8, 4, 64, ws=True, seesaw=True),
+    # the same with two split-KV ranges merged by the MMA kernel's combine kernel (fp32
+    # partials through memory, one more launch) instead of by the pair itself
+    "ws_ss_n32_b4_combine": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=False),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -776,7 +781,8 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
         if sparse_mla_ws.supported(q, kv, fp8, d_v):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
                                                block_n=config.block_n, num_buf=config.num_stages,
-                                               lazy=config.lazy, seesaw=config.seesaw)
+                                               lazy=config.lazy, seesaw=config.seesaw,
+                                               merge_pair=config.merge_pair)
     launch(config)
     if split:
         _combine_kernel[(B * S_q * H,)](

@@ -68,42 +68,76 @@ def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
+def _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W: gl.constexpr):
+    """Write this consumer's half of the output rows from their normalised output ``o`` and
+    base-2 log-sum-exp ``lse2`` (-inf: no valid slot), with the attention sink."""
+    if has_sink:
+        sk = gl.load(sink_ptr + h).to(gl.float32) * 1.4426950408889634
+        m_f = gl.maximum(lse2, sk)
+        a = gl.exp2(lse2 - m_f)
+        denom = a + gl.exp2(sk - m_f)
+        o = o * (a / denom)[:, None]
+        lse = (m_f + gl.log2(denom)) * 0.6931471805599453
+    else:
+        lse = lse2 * 0.6931471805599453
+    gl.store(out_ptr + (orow + h)[:, None] * DIM + c[None, :], o.to(out_ptr.dtype.element_ty))
+    if W == 0:
+        gl.store(lse_ptr + orow + h, lse)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
               has_sink, split, W: gl.constexpr):
-    """This consumer's half of each output row (lse from consumer 0): the split partial, or
-    the normalised output with the sink."""
+    """This consumer's half of each output row (lse from consumer 0). ``split`` 0: the
+    output, with the sink. 1: the split partial (normalised output, base-2 lse) for the MMA
+    kernel's combine. 2 (two splits): the pair merges itself. Each consumer stores its
+    partial and lse, then counts itself in on its (query, half) counter with one acq_rel
+    atomic at GPU scope (after a barrier of its warp group, so the release covers every
+    thread's stores); the second to arrive (odd count before: the counters only ever grow
+    by 2 a call, so they are never reset) reads the other split's partial back and writes
+    the merged half. No partial is read by a second kernel, and no combine launch."""
     o_layout: gl.constexpr = acc.type.layout
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, o_layout))
     c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
     has = l_o > 0
-    if split:
-        o = acc / gl.where(has, l_o, 1.0)[:, None]
-        lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
+    o = acc / gl.where(has, l_o, 1.0)[:, None]
+    lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
+    if split == 0:
+        _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W)
+    elif split == 1:
         gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
         if W == 0:
             gl.store(lpart_ptr + prow + h, lse2)
     else:
-        if has_sink:
-            sk = gl.load(sink_ptr + h).to(gl.float32) * 1.4426950408889634
-            m_f = gl.maximum(m_o, sk)
-            a = gl.exp2(m_o - m_f)
-            denom = l_o * a + gl.exp2(sk - m_f)
-            o = acc * (a / denom)[:, None]
-            lse = (m_f + gl.log2(denom)) * 0.6931471805599453
-        else:
-            o = acc / gl.where(has, l_o, 1.0)[:, None]
-            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
-        gl.store(out_ptr + (orow + h)[:, None] * DIM + c[None, :], o.to(out_ptr.dtype.element_ty))
-        if W == 0:
-            gl.store(lse_ptr + orow + h, lse)
+        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+        gl.store(lpart_ptr + 2 * prow + W * HEADS + h, lse2)       # [query, split, half, head]
+        gl.thread_barrier()
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])   # an element a thread
+        i = gl.arange(0, 128, layout=one)
+        counter = cnt_ptr + 2 * (orow // HEADS) + W + 0 * i
+        old = gl.atomic_add(counter, gl.full([128], 1, gl.int32, one), mask=i == 0,
+                            sem="acq_rel", scope="gpu")
+        if (gl.max(gl.where(i == 0, old, 0), axis=0) & 1) == 1:
+            sp = prow // HEADS - 2 * (orow // HEADS)
+            other = prow + (1 - 2 * sp) * HEADS
+            o2 = gl.load(opart_ptr + (other + h)[:, None] * DIM + c[None, :], cache_modifier=".cg")
+            l2 = gl.load(lpart_ptr + 2 * other + W * HEADS + h, cache_modifier=".cg")
+            m = gl.maximum(lse2, l2)
+            m_safe = gl.where(m == float("-inf"), 0.0, m)
+            w1 = gl.exp2(lse2 - m_safe)
+            w2 = gl.exp2(l2 - m_safe)
+            denom = w1 + w2
+            ok = denom > 0
+            o = (o * w1[:, None] + o2 * w2[:, None]) / gl.where(ok, denom, 1.0)[:, None]
+            lse2 = gl.where(ok, m_safe + gl.log2(gl.where(ok, denom, 1.0)), float("-inf"))
+            _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W)
 
 
 @gluon.jit
 def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy):
     """4 warps: Q once, then the KV ring (cp.async; a buffer is refilled once both
     consumers released it). The next tile's indices are loaded before the wait for its
@@ -146,7 +180,7 @@ def _wgmma_layout(n):
 
 @gluon.jit
 def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy, W: gl.constexpr):
     """4 warps, columns [W * 256, W * 256 + 256) of D and of d_v."""
     q_bar, kv_ready, kv_empty, s_ready, s_free = bars
@@ -218,13 +252,13 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(buf), count=1)     # the tile's last reader is done
 
-    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
+    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
               has_sink, split, W)
 
 
 @gluon.jit
 def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars,
-                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
+                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink,
                  split, lazy, W: gl.constexpr):
     """Seesaw: consumer W owns tiles 2j + W. It computes their full scores (all of D) and
     softmax, publishes P (bf16) with its row maxima, and accumulates its half of d_v over
@@ -304,47 +338,47 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(buf), count=1)        # both tiles: both consumers
         mbarrier.arrive(kv_empty.index(buf2), count=1)       # read each (count 2)
-    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
+    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
               has_sink, split, W)
 
 
 @gluon.jit
 def _consumer0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
                lazy):
     _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy, 0)
 
 
 @gluon.jit
 def _consumer1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
                lazy):
     _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split,
+              sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy, 1)
 
 
 @gluon.jit
 def _seesaw0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-             sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split, lazy):
+             sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split, lazy):
     _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
-                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
+                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink,
                  split, lazy, 0)
 
 
 @gluon.jit
 def _seesaw1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
-             sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split, lazy):
+             sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split, lazy):
     _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
-                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
+                 qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink,
                  split, lazy, 1)
 
 
 @gluon.jit
 def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, opart_ptr,
-                          lpart_ptr, topk, num_splits, split_rows, qk_scale, lazy,
+                          lpart_ptr, cnt_ptr, topk, num_splits, split_rows, qk_scale, lazy,
                           BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, S_BUFS: gl.constexpr,
                           SEESAW: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -392,7 +426,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     orow = bs * HEADS
     args = (q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem,
             (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
-            opart_ptr, lpart_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
+            opart_ptr, lpart_ptr, cnt_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
     if SEESAW:
         gl.warp_specialize([(_producer, args), (_seesaw0, args), (_seesaw1, args)],
@@ -422,8 +456,22 @@ def supported(q, kv, fp8: bool, d_v: int) -> bool:
             and kv.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0)   # 16-byte cp.async
 
 
+_PAIR_COUNTERS: dict = {}     # (device, stream) -> int32 counters of the self-merging pairs
+
+
+def _pair_counters(dev, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 counters for this device and stream, kept across calls:
+    each call adds exactly 2 to every counter it uses, so a counter is even between calls
+    and never needs resetting (one buffer per stream: calls on one stream never overlap)."""
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    cnt = _PAIR_COUNTERS.get(key)
+    if cnt is None or cnt.numel() < n:
+        cnt = _PAIR_COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=dev)
+    return cnt
+
+
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
-                  lazy=False, seesaw=False, scan_n=512):
+                  lazy=False, seesaw=False, scan_n=512, merge_pair=True):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype, indices int32 [B, S_q, topk],
@@ -431,26 +479,30 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     kernels/sparse_mla_mma.py -> (out [B, S_q, 64, 512], lse fp32 [B, S_q, 64]).
     ``block_n`` rows a tile, ``num_buf`` ring buffers, ``seesaw`` the consumers' design (see
     the module docstring; seesaw needs ``num_buf`` >= 3 to prefetch while a pair is in
-    use), ``lazy`` the D-split consumers' lazy rescale (seesaw ignores it)."""
+    use), ``lazy`` the D-split consumers' lazy rescale (seesaw ignores it); ``merge_pair``:
+    with exactly two split-KV ranges the two programs of a query merge their partials
+    themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, _combine_kernel
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
     out = torch.empty(B, S_q, H, D, dtype=q.dtype, device=dev)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
-    split = splits > 1
+    split = 0 if splits == 1 else 2 if (splits == 2 and merge_pair) else 1
+    cnt = _pair_counters(dev, 2 * B * S_q if split == 2 else 1)    # read only when split == 2
     if split:
         opart = torch.empty(B * S_q * splits * H * D, dtype=torch.float32, device=dev)
-        lpart = torch.empty(B * S_q * splits * H, dtype=torch.float32, device=dev)
+        # split 2: an lse copy per consumer (each merges its own half)
+        lpart = torch.empty(B * S_q * splits * H * split, dtype=torch.float32, device=dev)
     else:
         opart = lpart = lse       # unused
     _sparse_mla_ws_kernel[(B * S_q * splits,)](
-        q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
+        q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart, cnt,
         topk, splits, split_rows, scale * LOG2E, int(lazy),
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
-    if split:
+    if split == 1:
         _combine_kernel[(B * S_q * H,)](
             opart, lpart, sink if sink is not None else lse, out, lse, H, splits,
             DV=D, BLOCK_DV=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
