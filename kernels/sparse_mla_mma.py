@@ -492,7 +492,8 @@ class Config(NamedTuple):
     D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere;
     ``seesaw``: with ``ws``, the consumers own alternate tiles (full scores each) instead of
     halves of D; ``merge_pair``: with ``ws`` and exactly two split-KV ranges, the two
-    programs of a query merge their partials themselves (no combine kernel)."""
+    programs of a query merge their partials themselves instead of the combine kernel (a
+    variant: measured slower, see kernels/sparse_mla_ws.py)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -507,7 +508,7 @@ class Config(NamedTuple):
     split_qk: bool = False
     ws: bool = False
     seesaw: bool = False
-    merge_pair: bool = True
+    merge_pair: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -626,9 +627,12 @@ VARIANTS: dict = {
     "ws_n64_b2_lazy": Config(64, 8, 2, 64, lazy=True, ws=True),
     "ws_ss_n32_b3": Config(32, 8, 3, 64, ws=True, seesaw=True),
     "ws_ss_n32_b4": Config(32, 8, 4, 64, ws=True, seesaw=True),
-    # the same with two split-KV ranges merged by the MMA kernel's combine kernel (fp32
-    # partials through memory, one more launch) instead of by the pair itself
-    "ws_ss_n32_b4_combine": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=False),
+    # the same with two split-KV ranges merged by the pair itself instead of the combine
+    # kernel (kernels/sparse_mla_ws.py, _epilogue). Recorded at eae6a6d (sparse_mla.jsonl),
+    # where it was the default and this table's name for the combine kernel was
+    # "ws_ss_n32_b4_combine": B64 S1 64.4 us merged against 62.7 with the combine kernel
+    # (B128 S2, never split: 188.5 / 188.8).
+    "ws_ss_n32_b4_merge": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class

@@ -30,8 +30,20 @@ How the consumers share the scores is the whole difference, and was measured bot
   hidden), but the swap puts the consumers in lock-step (both multiply, then both wait,
   then both run the softmax), and it is no faster than the MMA kernel (258 us).
 
+Where the seesaw kernel's time goes (H200, B 64 / S_q 1 / topk 2048: two split-KV ranges,
+128 programs; Nsight Compute and torch.profiler at 3be7723): the kernel takes 51.9 us and
+the combine 6.1 (with every slot -1: 9.2 and 5.7). Inside it the tensor pipe is active 34%
+of the cycles, DRAM at 53% of its peak (2.55 TB/s), the issue slots 32% busy, with 12
+warps an SM (one program: 216 KB of shared memory, 168 registers at launch); the warps wait
+mostly on global loads (the slots' indices) and on the warp groups' barriers around the P
+exchange. Neither memory nor the tensor cores is saturated: each consumer's chain (scores,
+softmax, exchange, P V) sets the pace. Issuing a consumer's next scores asynchronously
+during the exchange (tried, not kept) made ptxas serialise every wgmma of the kernel
+(C7514: accumulator registers of an in-flight wgmma read by other instructions).
+
 The split-KV partials (normalised output and base-2 log-sum-exp) are those of the MMA
-kernel and are merged by its ``_combine_kernel``. Constexprs do not cross into Gluon's
+kernel and are merged by its ``_combine_kernel`` (or, a variant measured slower, by the
+two programs of a pair themselves: ``merge_pair``, see :func:`_epilogue`). Constexprs do not cross into Gluon's
 warp-specialised partitions (Triton 3.6): the partitions read BLOCK_N, NUM_BUF and the
 design off their shared-memory buffers' shapes and types.
 
@@ -95,7 +107,15 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
     atomic at GPU scope (after a barrier of its warp group, so the release covers every
     thread's stores); the second to arrive (odd count before: the counters only ever grow
     by 2 a call, so they are never reset) reads the other split's partial back and writes
-    the merged half. No partial is read by a second kernel, and no combine launch."""
+    the merged half. No partial is read by a second kernel, and no combine launch.
+
+    Measured slower (H200, B 64 / S_q 1 / topk 2048, eae6a6d): 64.4 us against 62.7 with
+    the combine kernel; with every slot -1 the kernel alone takes 17.5 us against 9.2 + 5.7
+    for kernel + combine. The merge sits on every program's critical path after its loop:
+    the release drains the 128 KB partial's stores, then one atomic round trip, then the
+    other partial is read in the accumulator's layout (8-byte loads, 128 a thread), while
+    the combine kernel's 4096 programs read whole rows in parallel. Hence a variant
+    (``merge_pair``; Config.merge_pair, variant ws_ss_n32_b4_merge), not the default."""
     o_layout: gl.constexpr = acc.type.layout
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
@@ -471,7 +491,7 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
-                  lazy=False, seesaw=False, scan_n=512, merge_pair=True):
+                  lazy=False, seesaw=False, scan_n=512, merge_pair=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype, indices int32 [B, S_q, topk],

@@ -707,10 +707,10 @@ def test_gpu_ws_cuda_graph_capture(variant):
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_ws_pair_merges_itself(sink, dtype):
-    """Two split-KV ranges merged by the pair itself (kernels/sparse_mla_ws.py, the
-    default) against the reference and against the combine kernel, over repeated calls (the
-    counters carry over) and with one range empty, the other empty, or both, for some
-    queries; B 64 / S_q 1 / topk 2048 is where the planner picks two ranges."""
+    """Two split-KV ranges merged by the pair itself (kernels/sparse_mla_ws.py, variant
+    ws_ss_n32_b4_merge) against the reference and against the combine kernel, over
+    repeated calls (the counters carry over) and with one range empty, the other empty, or
+    both, for some queries; B 64 / S_q 1 / topk 2048 is where the planner picks two."""
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
     q, kv, idx, snk = make_case(64, 1, 64, 512, 8192, 2048, dtype=dtype, sink=sink, seed=11,
                                 empty_rows=[(5, 0)], device="cuda")
@@ -718,7 +718,7 @@ def test_gpu_ws_pair_merges_itself(sink, dtype):
     idx[1, 0, :1024] = -1          # first range empty
     idx[2, 0, 1000:1100] = -1      # a -1 run across the boundary
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    cfg = mma_variants()["ws_ss_n32_b4"]._replace(splits=2)
+    cfg = mma_variants()["ws_ss_n32_b4_merge"]._replace(splits=2)
     for _ in range(3):
         out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
         assert_matches_reference(q, out, lse, ref, ref_lse)
@@ -734,7 +734,7 @@ def test_gpu_ws_pair_merge_cuda_graph():
     """The self-merging pair replayed from a CUDA graph, several times, with new inputs."""
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
     q, kv, idx, snk = make_case(64, 1, 64, 512, 4096, 1024, sink=True, device="cuda")
-    cfg = mma_variants()["ws_ss_n32_b4"]._replace(splits=2)
+    cfg = mma_variants()["ws_ss_n32_b4_merge"]._replace(splits=2)
     sparse_mla_decode_with_config(q, kv, idx, config=cfg, attn_sink=snk, check_indices=False)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
