@@ -491,7 +491,7 @@ class Config(NamedTuple):
     groups compute) where it applies (capability 9.x/10.x, bf16/fp16 q and cache, 64 heads,
     D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere;
     ``seesaw``: with ``ws``, the consumers own alternate tiles (full scores each) instead of
-    halves of D (2: with the next scores queued, see kernels/sparse_mla_ws.py); ``merge_pair``: with ``ws`` and exactly two split-KV ranges, the two
+    halves of D; ``merge_pair``: with ``ws`` and exactly two split-KV ranges, the two
     programs of a query merge their partials themselves instead of the combine kernel (a
     variant: measured slower, see kernels/sparse_mla_ws.py)."""
     block_n: int
@@ -507,7 +507,7 @@ class Config(NamedTuple):
     kq_t: bool = False
     split_qk: bool = False
     ws: bool = False
-    seesaw: int = 0
+    seesaw: bool = False
     merge_pair: bool = False
 
 
@@ -633,9 +633,6 @@ VARIANTS: dict = {
     # "ws_ss_n32_b4_combine": B64 S1 64.4 us merged against 62.7 with the combine kernel
     # (B128 S2, never split: 188.5 / 188.8).
     "ws_ss_n32_b4_merge": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=True),
-    # seesaw = 2: the consumer's next scores queued behind the other tile's P V, validity a
-    # pair ahead (kernels/sparse_mla_ws.py, _consumer_ssq; needs 4 ring buffers)
-    "ws_ssq_n32_b4": Config(32, 8, 4, 64, ws=True, seesaw=2),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class

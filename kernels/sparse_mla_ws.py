@@ -38,8 +38,13 @@ warps an SM (one program: 216 KB of shared memory, 168 registers at launch); the
 mostly on global loads (the slots' indices) and on the warp groups' barriers around the P
 exchange. Neither memory nor the tensor cores is saturated: each consumer's chain (scores,
 softmax, exchange, P V) sets the pace. Issuing a consumer's next scores asynchronously
-during the exchange (tried, not kept) made ptxas serialise every wgmma of the kernel
-(C7514: accumulator registers of an in-flight wgmma read by other instructions).
+during the exchange, carried across the loop's back edge (tried, not kept), made ptxas
+serialise every wgmma of the kernel (C7514: accumulator registers of an in-flight wgmma read
+by other instructions). Queuing them instead behind the other tile's P V, both waited at
+the end of the pair, with the slots' validity loaded a pair ahead, compiled unserialised but
+ran slower (variant ws_ssq_n32_b4, recorded at a41adc1: 66.8 / 205.1 us at B64 S1 / B128
+S2 against 63.2 / 191.8; the code is gone): the consumer then waits for both products before
+its next softmax, which the plain seesaw overlaps with the other consumer's.
 
 The split-KV partials (normalised output and base-2 log-sum-exp) are those of the MMA
 kernel and are merged by its ``_combine_kernel`` (or, a variant measured slower, by the
@@ -363,98 +368,6 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
 
 
 @gluon.jit
-def _consumer_ssq(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars,
-                  qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
-                  has_sink, split, lazy, W: gl.constexpr):
-    """Seesaw with the next scores queued: :func:`_consumer_ss`, but the scores of the
-    consumer's next tile are issued right behind the other tile's P V (both asynchronous,
-    waited together at the end of the pair), so the tensor cores run them back to back, and
-    the slots' validity is loaded a pair ahead. Nothing asynchronous crosses the loop's back
-    edge. After the last pair the queued scores read a buffer no longer filled (never used).
-    Needs a ring of 4."""
-    q_bar, kv_ready, kv_empty, p_ready, p_free = bars
-    NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
-    s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
-    o_layout: gl.constexpr = _wgmma_layout(HALF)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
-    l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
-    acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
-    s0 = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
-    mbarrier.wait(q_bar, 0)
-
-    n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
-    offs = start + W * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-    valid = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
-    s = s0
-    if n_pairs > 0:
-        mbarrier.wait(kv_ready.index(W % NUM_BUF), (W // NUM_BUF) & 1)
-        s = warpgroup_mma(q_smem, kv_smem.index(W % NUM_BUF).permute([1, 0]), s0, use_acc=False)
-    for j in range(n_pairs):
-        par = j % 2
-        t = 2 * j + W
-        buf = t % NUM_BUF
-        tn = t + 2
-        offs = start + tn * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-        valid_next = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p32 = gl.exp2(s - m_safe[:, None])
-        rsum = gl.sum(p32, axis=1)
-        p = p32.to(kv_smem.dtype)
-        l_i = l_i * alpha + rsum
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-        mine = W * 2 + par
-        mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
-        p_smem.index(mine).store(p)
-        m_smem.index(mine).store(m_i)
-        m_smem.index(4 + mine).store(rsum)
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(mine), count=1)
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv_smem.index(buf).slice(W * HALF, HALF, dim=1),
-                            acc, is_async=True)
-        theirs = (1 - W) * 2 + par
-        t2 = 2 * j + 1 - W
-        buf2 = t2 % NUM_BUF
-        mbarrier.wait(p_ready.index(theirs), (j // 2) & 1)
-        p_o = p_smem.index(theirs).load(s_layout).to(gl.float32)
-        m_o = m_smem.index(theirs).load(row_l)
-        rsum_o = m_smem.index(4 + theirs).load(row_l)
-        gl.thread_barrier()
-        mbarrier.arrive(p_free.index(theirs), count=1)
-        m_new = gl.maximum(m_i, m_o)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        beta = gl.exp2(m_o - m_safe)
-        p2 = (p_o * beta[:, None]).to(kv_smem.dtype)
-        l_i = l_i * alpha + rsum_o * beta
-        m_i = m_new
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(kv_empty.index(buf), count=1)        # own tile: scores and P V done
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-        mbarrier.wait(kv_ready.index(buf2), (t2 // NUM_BUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p2, p_layout), kv_smem.index(buf2).slice(W * HALF, HALF, dim=1),
-                            acc, is_async=True)
-        if j + 1 < n_pairs:
-            mbarrier.wait(kv_ready.index(tn % NUM_BUF), (tn // NUM_BUF) & 1)
-        s = warpgroup_mma(q_smem, kv_smem.index(tn % NUM_BUF).permute([1, 0]), s0, use_acc=False,
-                          is_async=True)
-        acc, s = warpgroup_mma_wait(0, deps=[acc, s])
-        mbarrier.arrive(kv_empty.index(buf2), count=1)       # the other tile: P V done
-        valid = valid_next
-    _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
-              has_sink, split, W)
-
-
-@gluon.jit
 def _consumer0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
                sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
                lazy):
@@ -486,16 +399,6 @@ def _seesaw1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem
     _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
                  qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink,
                  split, lazy, 1)
-
-
-@gluon.jit
-def _queued0(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split, lazy):
-    _consumer_ssq(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split, lazy, 0)
-
-
-@gluon.jit
-def _queued1(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split, lazy):
-    _consumer_ssq(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split, lazy, 1)
 
 
 @gluon.jit
@@ -550,10 +453,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
             (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
             opart_ptr, lpart_ptr, cnt_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
-    if SEESAW == 2:
-        gl.warp_specialize([(_producer, args), (_queued0, args), (_queued1, args)],
-                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-    elif SEESAW:
+    if SEESAW:
         gl.warp_specialize([(_producer, args), (_seesaw0, args), (_seesaw1, args)],
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
@@ -608,9 +508,6 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, _combine_kernel
-    if int(seesaw) == 2 and num_buf < 4:
-        raise ValueError(f"seesaw=2 queues a consumer's next tile while both tiles of a pair are in "
-                         f"use: it needs num_buf >= 4, got {num_buf}")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
@@ -627,7 +524,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     _sparse_mla_ws_kernel[(B * S_q * splits,)](
         q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart, cnt,
         topk, splits, split_rows, scale * LOG2E, int(lazy),
-        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=int(seesaw),
+        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
     if split == 1:

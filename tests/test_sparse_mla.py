@@ -646,7 +646,7 @@ def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None):
                                         (128, 2, 2048), (3, 4, 777), (5, 1, 1), (2, 3, 33)])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_n32_b3_lazy", "ws_n64_b2_lazy", "ws_ss_n32_b3",
-                                     "ws_ss_n32_b4", "ws_ssq_n32_b4"])
+                                     "ws_ss_n32_b4"])
 def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
     """Real shapes, -1 slots, duplicates, an all -1 query, topk 1 / 33 / 777 (not a
     multiple of the 32-row tile), with the planned split-KV."""
@@ -659,7 +659,7 @@ def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ssq_n32_b4"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
 def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
     """Forced split counts (1 = unsplit) and fp16; a -1 tail inside one split."""
     q, kv, idx, snk = make_case(6, 2, 64, 512, 8192, 1500, dtype=dtype, sink=True, seed=splits,
@@ -670,7 +670,7 @@ def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
 
 @pytest.mark.gpu
 @WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ssq_n32_b4"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
 def test_gpu_ws_ratio128_long_lists(variant):
     """A ratio-128 layer's max-context list (-1 up to 8320 slots): trimmed, same answer."""
     q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, sink=True, empty_frac=0.0,
@@ -682,7 +682,7 @@ def test_gpu_ws_ratio128_long_lists(variant):
 
 @pytest.mark.gpu
 @WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ssq_n32_b4"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
 def test_gpu_ws_cuda_graph_capture(variant):
     """Replays from a CUDA graph with new inputs in the same buffers."""
     from dsv4lab.ops.attention import sparse_mla_decode_with_config
