@@ -435,37 +435,57 @@ def _sparse_mla_mma_kernel(
 @triton.jit
 def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                    HAS_SINK: tl.constexpr):
-    """Merge the split partials of one (query position, head): weights 2^(lse_i - max)."""
-    pid = tl.program_id(0)                       # (b * S_q + s) * H + h
-    bs = (pid // H).to(tl.int64)
-    h = pid % H
+                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr):
+    """Merge the split partials of BLOCK_HC heads of one query position: weights
+    2^(lse_i - max). (BLOCK_HC heads a program, not one: at B 64 / S_q 1 one program a head
+    meant 4096 programs of 4 KB each, paced by how fast the GPU starts programs.)"""
+    pid = tl.program_id(0)
+    n_hc = tl.cdiv(H, BLOCK_HC)
+    bs = (pid // n_hc).to(tl.int64)
+    h = (pid % n_hc) * BLOCK_HC + tl.arange(0, BLOCK_HC)
+    h_mask = h < H
     offs_s = tl.arange(0, BLOCK_S)
     offs_v = tl.arange(0, BLOCK_DV)
-    lrow = (bs * num_splits + offs_s) * H + h
-    l = tl.load(lpart_ptr + lrow, mask=offs_s < num_splits, other=float("-inf"))
+    lrow = (bs * num_splits + offs_s[:, None]) * H + h[None, :]
+    l = tl.load(lpart_ptr + lrow, mask=(offs_s[:, None] < num_splits) & h_mask[None, :],
+                other=float("-inf"))                                    # [BLOCK_S, BLOCK_HC]
     m = tl.max(l, axis=0)
     if HAS_SINK:
-        sk = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        sk = tl.load(sink_ptr + h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sk)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(l - m_safe)                      # 0 for empty splits
+    w = tl.exp2(l - m_safe[None, :])             # 0 for empty splits
     denom = tl.sum(w, axis=0)
     if HAS_SINK:
         denom += tl.exp2(sk - m_safe)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
+    o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
     for i in range(0, num_splits):
-        wi = tl.sum(tl.where(offs_s == i, w, 0.0), axis=0)
-        o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h) * DV + offs_v,
-                    mask=offs_v < DV, other=0.0)
-        acc += wi * o
+        wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
+        o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
+                    mask=o_mask, other=0.0)
+        acc += wi[:, None] * o
     has = denom > 0
-    o = acc / tl.where(has, denom, 1.0)
+    o = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
                    float("-inf"))
-    tl.store(out_ptr + pid.to(tl.int64) * DV + offs_v, o.to(out_ptr.dtype.element_ty),
-             mask=offs_v < DV)
-    tl.store(lse_ptr + pid, lse)
+    orow = bs * H + h
+    tl.store(out_ptr + orow[:, None] * DV + offs_v[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=o_mask)
+    tl.store(lse_ptr + orow, lse, mask=h_mask)
+
+
+def combine_splits(opart, lpart, sink, out, lse, splits):
+    """Launch :func:`_combine_kernel`: fp32 partials ``opart`` [B*S_q, splits, H, d_v] and
+    base-2 lse ``lpart`` [B*S_q, splits, H] -> ``out`` [B, S_q, H, d_v], ``lse`` (with the
+    sink, fp32 [H] or None). Explained in notebooks/02_mma_attention.ipynb."""
+    B, S_q, H, d_v = out.shape
+    block_hc = min(8, triton.next_power_of_2(H))
+    _combine_kernel[(B * S_q * triton.cdiv(H, block_hc),)](
+        opart, lpart, sink if sink is not None else lse, out, lse, H, splits,
+        DV=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_HC=block_hc,
+        HAS_SINK=sink is not None, num_warps=4)
 
 
 # ----------------------------------------------------------------------------------------
@@ -789,11 +809,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
                                                merge_pair=config.merge_pair)
     launch(config)
     if split:
-        _combine_kernel[(B * S_q * H,)](
-            opart, lpart, sink if sink is not None else lse, out, lse, H, splits,
-            DV=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), HAS_SINK=sink is not None,
-            num_warps=4)
+        combine_splits(opart, lpart, sink, out, lse, splits)
     return out, lse
 
 

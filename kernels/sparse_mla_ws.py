@@ -507,7 +507,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     use), ``lazy`` the D-split consumers' lazy rescale (seesaw ignores it); ``merge_pair``:
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
-    from dsv4lab.kernels.sparse_mla_mma import LOG2E, _combine_kernel
+    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
@@ -528,8 +528,5 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
     if split == 1:
-        _combine_kernel[(B * S_q * H,)](
-            opart, lpart, sink if sink is not None else lse, out, lse, H, splits,
-            DV=D, BLOCK_DV=D, BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            HAS_SINK=sink is not None, num_warps=4)
+        combine_splits(opart, lpart, sink, out, lse, splits)
     return out, lse
