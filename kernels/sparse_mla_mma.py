@@ -460,11 +460,16 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
         denom += tl.exp2(sk - m_safe)
     acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
     o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
+    # each split's lse read again in the output's row layout, one split ahead (no reduction
+    # or layout conversion inside the loop, no extra latency in its chain)
+    l_i = tl.load(lpart_ptr + bs * num_splits * H + h, mask=h_mask, other=float("-inf"))
     for i in range(0, num_splits):
-        wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
+        l_next = tl.load(lpart_ptr + (bs * num_splits + i + 1) * H + h,
+                         mask=h_mask & (h * 0 + i + 1 < num_splits), other=float("-inf"))
         o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
                     mask=o_mask, other=0.0)
-        acc += wi[:, None] * o
+        acc += tl.exp2(l_i - m_safe)[:, None] * o
+        l_i = l_next
     has = denom > 0
     o = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
