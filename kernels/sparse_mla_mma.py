@@ -435,10 +435,46 @@ def _sparse_mla_mma_kernel(
 @triton.jit
 def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+                    HAS_SINK: tl.constexpr):
+    """Merge the split partials of one (query position, head): weights 2^(lse_i - max)."""
+    pid = tl.program_id(0)                       # (b * S_q + s) * H + h
+    bs = (pid // H).to(tl.int64)
+    h = pid % H
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_v = tl.arange(0, BLOCK_DV)
+    lrow = (bs * num_splits + offs_s) * H + h
+    l = tl.load(lpart_ptr + lrow, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(l, axis=0)
+    if HAS_SINK:
+        sk = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sk)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(l - m_safe)                      # 0 for empty splits
+    denom = tl.sum(w, axis=0)
+    if HAS_SINK:
+        denom += tl.exp2(sk - m_safe)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for i in range(0, num_splits):
+        wi = tl.sum(tl.where(offs_s == i, w, 0.0), axis=0)
+        o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h) * DV + offs_v,
+                    mask=offs_v < DV, other=0.0)
+        acc += wi * o
+    has = denom > 0
+    o = acc / tl.where(has, denom, 1.0)
+    lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    tl.store(out_ptr + pid.to(tl.int64) * DV + offs_v, o.to(out_ptr.dtype.element_ty),
+             mask=offs_v < DV)
+    tl.store(lse_ptr + pid, lse)
+
+
+@triton.jit
+def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
+                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr):
-    """Merge the split partials of BLOCK_HC heads of one query position: weights
-    2^(lse_i - max). (BLOCK_HC heads a program, not one: at B 64 / S_q 1 one program a head
-    meant 4096 programs of 4 KB each, paced by how fast the GPU starts programs.)"""
+    """:func:`_combine_kernel` for BLOCK_HC heads a program: with many queries one program
+    a head means thousands of programs of 4 KB each (4096 at B 64 / S_q 1), paced by how
+    fast the GPU starts programs."""
     pid = tl.program_id(0)
     n_hc = tl.cdiv(H, BLOCK_HC)
     bs = (pid // n_hc).to(tl.int64)
@@ -460,16 +496,11 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
         denom += tl.exp2(sk - m_safe)
     acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
     o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
-    # each split's lse read again in the output's row layout, one split ahead (no reduction
-    # or layout conversion inside the loop, no extra latency in its chain)
-    l_i = tl.load(lpart_ptr + bs * num_splits * H + h, mask=h_mask, other=float("-inf"))
     for i in range(0, num_splits):
-        l_next = tl.load(lpart_ptr + (bs * num_splits + i + 1) * H + h,
-                         mask=h_mask & (h * 0 + i + 1 < num_splits), other=float("-inf"))
+        wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
         o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
                     mask=o_mask, other=0.0)
-        acc += tl.exp2(l_i - m_safe)[:, None] * o
-        l_i = l_next
+        acc += wi[:, None] * o
     has = denom > 0
     o = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
@@ -481,21 +512,25 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
 
 
 def combine_splits(opart, lpart, sink, out, lse, splits):
-    """Launch :func:`_combine_kernel`: fp32 partials ``opart`` [B*S_q, splits, H, d_v] and
+    """Launch the split-KV combine: fp32 partials ``opart`` [B*S_q, splits, H, d_v] and
     base-2 lse ``lpart`` [B*S_q, splits, H] -> ``out`` [B, S_q, H, d_v], ``lse`` (with the
     sink, fp32 [H] or None). Explained in notebooks/02_mma_attention.ipynb."""
     B, S_q, H, d_v = out.shape
-    # 8 heads a program only where one a head would start thousands of tiny programs (at
-    # B 64 / S_q 1: 4.5 us against 6.1); with few queries one a head keeps the splits'
-    # serial loop spread over more programs (B 1 / topk 640: 14.2 us a call with 8 programs
-    # of 8 heads at 3703e09, against 10.8 with one a head)
-    many = B * S_q * H >= 16 * sm_count(out.device, cpu=8)
-    block_hc = min(8, triton.next_power_of_2(H)) if many else 1
-    _combine_kernel[(B * S_q * triton.cdiv(H, block_hc),)](
-        opart, lpart, sink if sink is not None else lse, out, lse, H, splits,
-        DV=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_HC=block_hc,
-        HAS_SINK=sink is not None, num_warps=4)
+    common = dict(DV=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
+                  BLOCK_S=max(2, triton.next_power_of_2(splits)), HAS_SINK=sink is not None,
+                  num_warps=4)
+    sink = sink if sink is not None else lse
+    # 8 heads a program where one a head would start thousands of tiny programs (H200, B 64
+    # / S_q 1 / topk 2048: combine 6.1 -> 4.5 us, 62.8 -> 61.7 us a call, rows at e5f938d);
+    # with few queries one a head, whose loop carries no reduction (8 heads a program cost
+    # B 1 / topk 640 14.2 us at 3703e09, and even one a head through the 8-head kernel 11.6
+    # at e5f938d, against 10.8 with this kernel)
+    if B * S_q * H >= 16 * sm_count(out.device, cpu=8):
+        block_hc = min(8, triton.next_power_of_2(H))
+        _combine_heads_kernel[(B * S_q * triton.cdiv(H, block_hc),)](
+            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, **common)
+    else:
+        _combine_kernel[(B * S_q * H,)](opart, lpart, sink, out, lse, H, splits, **common)
 
 
 # ----------------------------------------------------------------------------------------
