@@ -2,6 +2,8 @@
 # One call on the lent GPU machine: install the lab, run the GPU tests, then the named
 # benchmarks; rows go to $OUT/results (fetched and appended to data/results/ afterwards).
 #   usage (on the device): bash scripts/gpu_round.sh "tests/test_a.py tests/test_b.py" bench1 bench2 ...
+#   a pytest -k expression goes in TEST_K (the test list is split on spaces: "-k a or b" there
+#   would be split too, and pytest then runs nothing: it happened once, f46a2bd)
 # Wheels for papermill/jupyter (absent on the device image) travel in .whl/ when present.
 # The rows' commit label: $DSV4LAB_COMMIT, else .dsv4lab_commit (write it before the call,
 #   git rev-parse --short HEAD > .dsv4lab_commit, and carry it: device copies have no .git).
@@ -20,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -m dsv4lab.cli env
 tests="$1"; shift
 if [ -n "$tests" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-1}" $tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-1}" ${TEST_K:+-k "$TEST_K"} $tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 for b in "$@"; do
   echo "=== bench $b"
