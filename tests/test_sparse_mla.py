@@ -152,6 +152,38 @@ def test_mma_split_kv_matches_unsplit(splits, sink):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("B, S, H", [(1, 1, 3), (2, 1, 16), (1, 2, 64), (3, 1, 64)])
+@pytest.mark.parametrize("sink", [False, True])
+def test_combine_splits_both_kernels(B, S, H, sink):
+    """The split-KV combine against a torch merge of the same partials, on both of its
+    kernels (one head a program with few queries, 8 heads a program with B*S_q*H >= 16 x
+    SMs; the CPU counts as 8 SMs, so there the last two shapes take the 8-head kernel; on a GPU
+    the real-shape tests reach it): empty splits (lse -inf), a query with nothing at all."""
+    from dsv4lab.kernels.sparse_mla_mma import combine_splits
+    splits, d_v = 3, 48
+    g = torch.Generator().manual_seed(B * 100 + H)
+    opart = torch.randn(B * S, splits, H, d_v, generator=g)
+    lpart = torch.randn(B * S, splits, H, generator=g) * 4
+    lpart[0, 1] = float("-inf")                      # an empty split for every head
+    lpart[-1, :, 0] = float("-inf")                  # head 0 of the last query: nothing
+    snk = torch.randn(H, generator=g) if sink else None
+    out = torch.empty(B, S, H, d_v, device=DEV)
+    lse = torch.empty(B, S, H, device=DEV)
+    combine_splits(opart.reshape(-1).to(DEV), lpart.reshape(-1).to(DEV),
+                   None if snk is None else snk.to(DEV), out, lse, splits)
+    out, lse = out.cpu(), lse.cpu()
+    m = lpart.max(dim=1).values
+    if sink:
+        m = torch.maximum(m, snk * math.log2(math.e))
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w = torch.exp2(lpart - m[:, None])
+    denom = w.sum(dim=1) + (torch.exp2(snk * math.log2(math.e) - m) if sink else 0)
+    ref = (w[..., None] * opart).sum(dim=1) / torch.where(denom > 0, denom, 1.0)[..., None]
+    ref_lse = torch.where(denom > 0, (m + torch.log2(denom)) * math.log(2), float("-inf"))
+    torch.testing.assert_close(out.reshape(B * S, H, d_v), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.reshape(B * S, H), ref_lse, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("block_h, splits", [(16, 0), (64, 1), (16, 3)])
 def test_mma_config_variants(lazy, block_h, splits):
