@@ -712,19 +712,25 @@ def test_gpu_ws_ratio128_long_lists(variant):
     _ws_check(q, kv, idx, snk, variant)
 
 
+def _captured(q, kv, idx, snk, config):
+    """One warm-up call, then the call captured in a CUDA graph: (graph, out, lse)."""
+    from dsv4lab.ops.attention import sparse_mla_decode_with_config
+    sparse_mla_decode_with_config(q, kv, idx, config=config, attn_sink=snk, check_indices=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=config, attn_sink=snk,
+                                                 check_indices=False)
+    return graph, out, lse
+
+
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
 def test_gpu_ws_cuda_graph_capture(variant):
     """Replays from a CUDA graph with new inputs in the same buffers."""
-    from dsv4lab.ops.attention import sparse_mla_decode_with_config
     q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, sink=True, device="cuda")
-    sparse_mla_decode_with_config(q, kv, idx, config=variant, attn_sink=snk, check_indices=False)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, attn_sink=snk,
-                                                 check_indices=False)
+    graph, out, lse = _captured(q, kv, idx, snk, variant)
     q.copy_(torch.randn_like(q))
     idx.copy_(torch.randint_like(idx, 0, 4096))
     ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
@@ -764,15 +770,10 @@ def test_gpu_ws_pair_merges_itself(sink, dtype):
 @WS_GPU
 def test_gpu_ws_pair_merge_cuda_graph():
     """The self-merging pair replayed from a CUDA graph, several times, with new inputs."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    from dsv4lab.ops.attention import mma_variants
     q, kv, idx, snk = make_case(64, 1, 64, 512, 4096, 1024, sink=True, device="cuda")
     cfg = mma_variants()["ws_ss_n32_b4_merge"]._replace(splits=2)
-    sparse_mla_decode_with_config(q, kv, idx, config=cfg, attn_sink=snk, check_indices=False)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, attn_sink=snk,
-                                                 check_indices=False)
+    graph, out, lse = _captured(q, kv, idx, snk, cfg)
     for seed in range(3):
         g = torch.Generator(device="cuda").manual_seed(seed)
         q.copy_(torch.randn(q.shape, generator=g, device="cuda").to(q.dtype))
