@@ -514,7 +514,9 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     out = torch.empty(B, S_q, H, D, dtype=q.dtype, device=dev)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
     split = 0 if splits == 1 else 2 if (splits == 2 and merge_pair) else 1
-    cnt = _pair_counters(dev, 2 * B * S_q if split == 2 else 1)    # read only when split == 2
+    # the counters only when the pair merges itself; otherwise any int32 pointer stands in
+    # (never read), so the default path neither looks up nor allocates them
+    cnt = _pair_counters(dev, 2 * B * S_q) if split == 2 else indices
     if split:
         opart = torch.empty(B * S_q * splits * H * D, dtype=torch.float32, device=dev)
         # split 2: an lse copy per consumer (each merges its own half)
