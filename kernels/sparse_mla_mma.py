@@ -521,7 +521,7 @@ def combine_splits(opart, lpart, sink, out, lse, splits):
                   num_warps=4)
     sink = sink if sink is not None else lse
     # 8 heads a program where one a head would start thousands of tiny programs (H200, B 64
-    # / S_q 1 / topk 2048: combine 6.1 -> 4.5 us, 62.8 -> 61.7 us a call, rows at e5f938d);
+    # / S_q 1 / topk 2048: 62.9 us a call at b4e4c83 -> 61.7 at e5f938d);
     # with few queries one a head, whose loop carries no reduction (8 heads a program cost
     # B 1 / topk 640 14.2 us at 3703e09, and even one a head through the 8-head kernel 11.6
     # at e5f938d, against 10.8 with this kernel)

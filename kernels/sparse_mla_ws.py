@@ -30,27 +30,26 @@ How the consumers share the scores is the whole difference, and was measured bot
   hidden), but the swap puts the consumers in lock-step (both multiply, then both wait,
   then both run the softmax), and it is no faster than the MMA kernel (258 us).
 
-Where the seesaw kernel's time goes (H200, B 64 / S_q 1 / topk 2048: two split-KV ranges,
-128 programs; Nsight Compute and torch.profiler at 3be7723): the kernel takes 51.9 us and
-the combine 6.1 (with every slot -1: 9.2 and 5.7). Inside it the tensor pipe is active 34%
-of the cycles, DRAM at 53% of its peak (2.55 TB/s), the issue slots 32% busy, with 12
-warps an SM (one program: 216 KB of shared memory, 168 registers at launch); the warps wait
-mostly on global loads (the slots' indices) and on the warp groups' barriers around the P
-exchange. Neither memory nor the tensor cores is saturated: each consumer's chain (scores,
-softmax, exchange, P V) sets the pace. Issuing a consumer's next scores asynchronously
-during the exchange, carried across the loop's back edge (tried, not kept), made ptxas
-serialise every wgmma of the kernel (C7514: accumulator registers of an in-flight wgmma read
-by other instructions). Queuing them instead behind the other tile's P V, both waited at
-the end of the pair, with the slots' validity loaded a pair ahead, compiled unserialised but
-ran slower (variant ws_ssq_n32_b4, recorded at a41adc1: 66.8 / 205.1 us at B64 S1 / B128
-S2 against 63.2 / 191.8; the code is gone): the consumer then waits for both products before
-its next softmax, which the plain seesaw overlaps with the other consumer's.
+Where the seesaw kernel's time goes (H200, recorded by scripts/profile_sparse_mla.py at
+a41adc1): at B 128 / S_q 2 it takes 191.3 us from HBM and 182.2 us with every row in L2, so
+the consumers' chain (scores, softmax, P exchange, P V), not memory, sets its pace; a
+one-off Nsight Compute reading at B 64 / S_q 1 (not a recorded row) agreed: neither the
+tensor pipe nor DRAM near saturation, the warps waiting on the slots' index loads and on
+the warp groups' barriers around the exchange. Issuing a consumer's next scores
+asynchronously during the exchange, carried across the loop's back edge (tried, not kept),
+made ptxas serialise every wgmma of the kernel (C7514: accumulator registers of an
+in-flight wgmma read by other instructions). Queuing them instead behind the other tile's P
+V, both waited at the end of the pair, with the slots' validity loaded a pair ahead,
+compiled unserialised but ran slower (variant ws_ssq_n32_b4, recorded at a41adc1: 66.8 /
+205.1 us at B64 S1 / B128 S2 against 63.2 / 191.8; the code is gone): the consumer then
+waits for both products before its next softmax, which the plain seesaw overlaps with the
+other consumer's.
 
 The split-KV partials (normalised output and base-2 log-sum-exp) are those of the MMA
-kernel and are merged by its ``_combine_kernel`` (or, a variant measured slower, by the
-two programs of a pair themselves: ``merge_pair``, see :func:`_epilogue`). Constexprs do not cross into Gluon's
-warp-specialised partitions (Triton 3.6): the partitions read BLOCK_N, NUM_BUF and the
-design off their shared-memory buffers' shapes and types.
+kernel and are merged by its ``_combine_kernel`` (or, a variant measured slower, by the two
+programs of a pair themselves: ``merge_pair``, see :func:`_epilogue`). Constexprs do not
+cross into Gluon's warp-specialised partitions (Triton 3.6): the partitions read BLOCK_N,
+NUM_BUF and the design off their shared-memory buffers' shapes and types.
 
 Scope: bf16 (or fp16) q and KV cache, H = 64 heads (one block), D = d_v = 512, on
 capability 9.x and 10.x with Triton's Gluon; everything else (the interpreter, sm_80,
@@ -114,9 +113,9 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
     by 2 a call, so they are never reset) reads the other split's partial back and writes
     the merged half. No partial is read by a second kernel, and no combine launch.
 
-    Measured slower (H200, B 64 / S_q 1 / topk 2048, eae6a6d): 64.4 us against 62.7 with
-    the combine kernel; with every slot -1 the kernel alone takes 17.5 us against 9.2 + 5.7
-    for kernel + combine. The merge sits on every program's critical path after its loop:
+    Measured slower (H200, B 64 / S_q 1 / topk 2048, rows at eae6a6d): 64.4 us against
+    62.7 with the combine kernel. The merge sits on every program's critical path after its
+    loop:
     the release drains the 128 KB partial's stores, then one atomic round trip, then the
     other partial is read in the accumulator's layout (8-byte loads, 128 a thread), while
     the combine kernel's 4096 programs read whole rows in parallel. Hence a variant
