@@ -61,11 +61,13 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy, mbarrier, warpgroup_mma, warpgroup_mma_wait)
+    async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 HEADS = gl.constexpr(64)
 DIM = gl.constexpr(512)
 HALF = gl.constexpr(256)      # the columns of D (and d_v) one consumer owns
+FP8_ROW = gl.constexpr(584)   # bytes of an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scale bytes
+FP8_STAGES = gl.constexpr(2)  # staging slots of raw FP8 rows (the tile converting, the next)
 
 
 @gluon.jit
@@ -160,6 +162,27 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
 
 
 @gluon.jit
+def _load_q(q_row, q_smem, q_bar):
+    """The query rows [64, 512] into shared memory by cp.async, signalled on ``q_bar``."""
+    gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
+    h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gather))
+    async_copy.async_copy_global_to_shared(q_smem, q_row + h[:, None] * DIM + cols[None, :])
+    async_copy.mbarrier_arrive(q_bar)
+    mbarrier.arrive(q_bar, count=1)
+
+
+@gluon.jit
+def _tile_count(start, end, BLOCK_N: gl.constexpr, s_smem):
+    """Tiles of the range; seesaw (a 16-bit exchange buffer) takes whole pairs: a last odd
+    tile's twin is all -1."""
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    if s_smem.dtype.primitive_bitwidth == 16:
+        n_tiles = 2 * gl.cdiv(n_tiles, 2)
+    return n_tiles
+
+
+@gluon.jit
 def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy):
@@ -172,14 +195,9 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, gather)
     cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
-    h = gl.arange(0, HEADS, layout=rows_l)
-    async_copy.async_copy_global_to_shared(q_smem, q_row + h[:, None] * DIM + cols[None, :])
-    async_copy.mbarrier_arrive(q_bar)
-    mbarrier.arrive(q_bar, count=1)
+    _load_q(q_row, q_smem, q_bar)
 
-    n_tiles = gl.cdiv(end - start, BLOCK_N)
-    if s_smem.dtype.primitive_bitwidth == 16:
-        n_tiles = 2 * gl.cdiv(n_tiles, 2)      # seesaw: whole pairs (a last odd tile's twin is all -1)
+    n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
     offs = start + gl.arange(0, BLOCK_N, layout=rows_l)
     idx = gl.load(idx_row + offs, mask=offs < end, other=-1)
     for i in range(n_tiles):
@@ -193,6 +211,80 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         async_copy.async_copy_global_to_shared(kv_smem.index(buf), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(kv_ready.index(buf))
         mbarrier.arrive(kv_ready.index(buf), count=1)
+
+
+@gluon.jit
+def _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, slot):
+    """Start copying the FP8 rows ``idx`` ([BLOCK_N]; -1: zero-filled) into staging slot
+    ``slot``: the seven 64-byte e4m3 groups and the bf16 RoPE part, 8-byte cp.async (a
+    584-byte row starts 8-byte aligned), committed as one group."""
+    valid = idx >= 0
+    row = gl.where(valid, idx, 0).to(gl.int64)[:, None]
+    m = valid[:, None]
+    for j in gl.static_range(7):
+        async_copy.async_copy_global_to_shared(nope_stage.index(7 * slot + j),
+                                               kv_ptr + row * FP8_ROW + 64 * j + c[None, :], mask=m)
+    rope_ptr = kv_ptr.to(gl.pointer_type(rope_stage.dtype))
+    async_copy.async_copy_global_to_shared(rope_stage.index(slot),
+                                           rope_ptr + row * (FP8_ROW // 2) + 224 + c[None, :], mask=m)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _scale_words(kv_ptr, idx):
+    """The eight scale bytes (576..583) of each FP8 row as one int64 (byte j: group j's
+    ``s``, the group's scale is 2^(s - 127)); 0 for a -1 slot."""
+    valid = idx >= 0
+    words = kv_ptr.to(gl.pointer_type(gl.int64))
+    return gl.load(words + gl.where(valid, idx, 0).to(gl.int64) * (FP8_ROW // 8) + 72, mask=valid,
+                   other=0)
+
+
+@gluon.jit
+def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
+                  qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
+                  has_sink, split, lazy, nope_stage, rope_stage):
+    """4 warps, the FP8 cache: the raw rows of tile i + 1 travel by cp.async into a staging
+    slot while tile i is dequantised from the other slot into its ring buffer (e4m3 to
+    fp32, times the group's power-of-two scale: exact in bf16) with plain shared-memory
+    stores, made visible to the consumers' wgmma by an async-proxy fence before the ready
+    signal. The consumers see the same bf16 tiles as with a bf16 cache."""
+    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
+    NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
+    STAGES: gl.constexpr = rope_stage.type.shape[0]
+    chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, chunk)
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, chunk))
+    r = gl.arange(0, BLOCK_N, layout=rows_l)
+    _load_q(q_row, q_smem, q_bar)
+
+    n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
+    idx = gl.load(idx_row + start + r, mask=start + r < end, other=-1)
+    _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 0)
+    sw = _scale_words(kv_ptr, idx)
+    for i in range(n_tiles):
+        offs = start + (i + 1) * BLOCK_N + r
+        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)         # tile i + 1's slots
+        _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 1) % STAGES)
+        sw_next = _scale_words(kv_ptr, idx)
+        async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
+        gl.thread_barrier()                       # every thread's copies, not just its own
+        slot = i % STAGES
+        buf = i % NUM_BUF
+        mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
+        tile = kv_smem.index(buf)
+        for j in gl.static_range(7):
+            raw = nope_stage.index(7 * slot + j).load(chunk)
+            scale = (((sw >> (8 * j)) & 0xFF) << 23).to(gl.int32).to(gl.float32, bitcast=True)
+            val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+            tile.slice(64 * j, 64, dim=1).store(val.to(tile.dtype))
+        tile.slice(448, 64, dim=1).store(rope_stage.index(slot).load(chunk))
+        fence_async_shared()                      # generic stores -> the consumers' wgmma
+        gl.thread_barrier()                       # all stores (and staging reads) done
+        mbarrier.arrive(kv_ready.index(buf), count=1)
+        sw = sw_next
+    async_copy.wait_group(0)                      # the last (all -1) group, before exit
 
 
 @triton.constexpr_function
@@ -406,7 +498,8 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, S_BUFS: gl.constexpr,
                           SEESAW: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                          CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                          FP8: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
@@ -452,7 +545,18 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
             (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
             opart_ptr, lpart_ptr, cnt_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
-    if SEESAW:
+    if FP8:         # raw rows staged by cp.async, dequantised by the producer into the ring
+        stage_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        nope_stage = gl.allocate_shared_memory(gl.uint8, [7 * FP8_STAGES, BLOCK_N, 64], stage_l)
+        rope_stage = gl.allocate_shared_memory(dtype, [FP8_STAGES, BLOCK_N, 64], stage_l)
+        fp8_args = args + (nope_stage, rope_stage)
+        if SEESAW:
+            gl.warp_specialize([(_producer_fp8, fp8_args), (_seesaw0, args), (_seesaw1, args)],
+                               [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        else:
+            gl.warp_specialize([(_producer_fp8, fp8_args), (_consumer0, args), (_consumer1, args)],
+                               [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    elif SEESAW:
         gl.warp_specialize([(_producer, args), (_seesaw0, args), (_seesaw1, args)],
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
@@ -469,15 +573,20 @@ def s_bufs(block_n: int, num_buf: int) -> int:
 
 def supported(q, kv, fp8: bool, d_v: int) -> bool:
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
-    shared memory; sm_120 has 99 KB), 16-bit q and cache, 64 heads, D = d_v = 512."""
-    if fp8 or q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+    shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
+    in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
+    copied as is into the bf16 tile)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
         return False
     B, S_q, H, D = q.shape
-    return (H == HEADS and D == DIM and d_v == DIM and kv.dtype == q.dtype and kv.dim() == 2
-            and kv.shape[-1] == DIM and kv.is_contiguous() and q.is_contiguous()
-            and kv.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0)   # 16-byte cp.async
+    if not (H == HEADS and D == DIM and d_v == DIM and q.is_contiguous() and q.data_ptr() % 16 == 0
+            and kv.dim() == 2 and kv.is_contiguous() and kv.data_ptr() % 16 == 0):
+        return False
+    if fp8:
+        return q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW
+    return kv.dtype == q.dtype and kv.shape[-1] == DIM        # 16-byte cp.async
 
 
 _PAIR_COUNTERS: dict = {}     # (device, stream) -> int32 counters of the self-merging pairs
@@ -498,8 +607,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
                   lazy=False, seesaw=False, scan_n=512, merge_pair=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
-    q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype, indices int32 [B, S_q, topk],
-    sink fp32 [64] or None; ``splits`` / ``split_rows`` as planned by
+    q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
+    [N, 584], indices int32 [B, S_q, topk], sink fp32 [64] or None; ``splits`` / ``split_rows`` as planned by
     kernels/sparse_mla_mma.py -> (out [B, S_q, 64, 512], lse fp32 [B, S_q, 64]).
     ``block_n`` rows a tile, ``num_buf`` ring buffers, ``seesaw`` the consumers' design (see
     the module docstring; seesaw needs ``num_buf`` >= 3 to prefetch while a pair is in
@@ -507,6 +616,12 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
+    fp8 = kv.dtype == torch.uint8
+    if fp8 and num_buf > 3:
+        # Q 64 KB + the ring + P 16 KB + two staging slots of raw rows (37 KB): four 32 KB
+        # buffers would need 246 KB of the 227 KB
+        raise ValueError(f"config: num_stages (the ring's buffers) must be at most 3 with the FP8 "
+                         f"cache (its staging takes the shared memory of a fourth), got {num_buf}")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
@@ -527,7 +642,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         topk, splits, split_rows, scale * LOG2E, int(lazy),
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
-        SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, num_warps=4, maxnreg=168)
+        SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits)
     return out, lse

@@ -166,6 +166,12 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=256, BK2=256),
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True, num_stages=4),
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128),
+    # round 10, T = 64 MXFP4: NVFP4's T = 64 winner is _FX (BK 256/256, BN 64/64: 987 us against
+    # MXFP4's 1029 at 10c5467); ROWMAX at BK1 256 without a register cap, and wider down tiles
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=256, BK2=256, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=256, BK2=256, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=32, BN2=128, BK1=256, BK2=256, ROWMAX=True),
+    _c(FASTDEC=True, XPRE=True, BN1=64, BN2=256, BK1=128, BK2=256, ROWMAX=True, num_warps=8),
 ]
 
 

@@ -646,16 +646,19 @@ WS_GPU = pytest.mark.skipif(not _ws_applies(), reason="needs a Hopper/Blackwell 
 
 
 def test_ws_applies_only_where_it_can():
-    """The warp-specialised kernel takes 16-bit q and cache, 64 heads, D = d_v = 512 on a
-    CUDA GPU of capability 9/10; anything else (CPU, FP8, other shapes) stays on the MMA
-    kernel. Its score-swap buffers: two a side while they fit, one at 64-row tiles."""
+    """The warp-specialised kernel takes 16-bit q and cache (or bf16 q and the FP8 cache),
+    64 heads, D = d_v = 512 on a CUDA GPU of capability 9/10; anything else (CPU, fp16 q
+    with FP8, other shapes) stays on the MMA kernel. Its score-swap buffers: two a side while they fit, one at 64-row tiles."""
     from dsv4lab.kernels import sparse_mla_ws
     q = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16)
     kv = torch.empty(8, 512, dtype=torch.bfloat16)
     assert not sparse_mla_ws.supported(q, kv, False, 512)                 # CPU tensors
     if ON_GPU:
         cq, ckv = q.cuda(), kv.cuda()
-        assert not sparse_mla_ws.supported(cq, pack_kv_fp8(ckv.float()), True, 512)
+        packed = pack_kv_fp8(ckv.float())
+        assert sparse_mla_ws.supported(cq, packed, True, 512) == _ws_applies()
+        assert not sparse_mla_ws.supported(cq.half(), packed, True, 512)    # RoPE is bf16
+        assert not sparse_mla_ws.supported(cq, packed[1:], True, 512)      # 584-byte offset
         assert not sparse_mla_ws.supported(cq[:, :, :32].contiguous(), ckv, False, 512)
         assert not sparse_mla_ws.supported(cq, ckv, False, 448)
         assert not sparse_mla_ws.supported(cq.float(), ckv.float(), False, 512)
@@ -710,6 +713,63 @@ def test_gpu_ws_ratio128_long_lists(variant):
     for b, n in enumerate([128 + 1, 128 + 700, 128 + 8192]):
         idx[b, :, n:] = -1
     _ws_check(q, kv, idx, snk, variant)
+
+
+@pytest.mark.gpu
+@WS_GPU
+@pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (64, 1, 2048), (128, 2, 2048), (3, 4, 777),
+                                        (5, 1, 1), (2, 3, 33)])
+@pytest.mark.parametrize("sink", [False, True])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3"])
+def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
+    """The FP8 cache (staged raw rows, dequantised by the producer) at real shapes, -1
+    slots, duplicates, an all -1 query, topk not a multiple of the tile; the reference
+    dequantises the same packed rows. Also against the MMA kernel's FP8 path."""
+    from dsv4lab.ops.attention import sparse_mla_decode_with_config
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=True, sink=sink, seed=B * 5 + S,
+                                empty_rows=[(0, 0)], device="cuda")
+    _ws_check(q, kv, idx, snk, variant)
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, attn_sink=snk)
+    out_mma, lse_mma = sparse_mla_decode_with_config(q, kv, idx, config="fp8fast_sqk_pg_n64_s3",
+                                                     attn_sink=snk)
+    torch.testing.assert_close(out.float(), out_mma.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse, lse_mma, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
+@pytest.mark.gpu
+@WS_GPU
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_gpu_ws_fp8_splits_and_extremes(splits):
+    """Forced split counts; rows whose groups span the FP8 range (scale bytes far from 127,
+    e4m3 subnormals, an all-zero group) and a -1 tail inside one split."""
+    q, kv, idx, snk = make_case(6, 2, 64, 512, 4096, 1500, sink=True, seed=splits, empty_rows=[(1, 1)],
+                                device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(splits)
+    spread = torch.randn(4096, 512, generator=g, device="cuda")
+    spread[:, :448] *= torch.exp2(torch.randint(-20, 20, (4096, 7), generator=g, device="cuda")
+                                  .float()).repeat_interleave(64, dim=1)
+    spread[::7, 64:128] = 0.0
+    spread[1::5, :32] *= 1e-3            # half a group far below its amax: e4m3 subnormals
+    kv = pack_kv_fp8(spread)
+    idx[2, 0, 300:] = -1
+    _ws_check(q, kv, idx, snk, "ws_ss_n32_b3", splits=splits)
+
+
+@pytest.mark.gpu
+@WS_GPU
+def test_gpu_ws_fp8_cuda_graph_and_ring_limit():
+    """FP8 replays from a CUDA graph with new inputs; a fourth ring buffer is refused by name."""
+    from dsv4lab.ops.attention import sparse_mla_decode_with_config
+    q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, fp8=True, sink=True, device="cuda")
+    graph, out, lse = _captured(q, kv, idx, snk, "ws_ss_n32_b3")
+    q.copy_(torch.randn_like(q))
+    idx.copy_(torch.randint_like(idx, -1, 4096))
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(q, out, lse, ref, ref_lse)
+    with pytest.raises(ValueError, match="num_stages"):
+        sparse_mla_decode_with_config(q, kv, idx, config="ws_ss_n32_b4", attn_sink=snk)
 
 
 def _captured(q, kv, idx, snk, config):
