@@ -602,8 +602,10 @@ DEVICE_TABLE: dict = {
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
         # fp8 large/mid: variant fp8fast_sqk_pg_n64_s3 (05c7f91 round): 316.6 us at B128 S2 T2048
         # (571.3 with Config(64, 8, 2), 423.3 with fp8fast_pg_n32_s4), 99.2 us at B64 S1 T2048
-        ("fp8", "large"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
-        ("fp8", "mid"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
+        # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py);
+        # elsewhere (sm_80, sm_120, fp16 q) this entry runs the plain loop at N32 w8 s3.
+        ("fp8", "large"): Config(32, 8, 3, 64, ws=True, seesaw=True),
+        ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True),
         ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None),    # 17.6 us at B1 S1 T640
     },
@@ -847,7 +849,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
                               launch, tune)
     if config.ws and block_h == 64:
         from dsv4lab.kernels import sparse_mla_ws
-        if sparse_mla_ws.supported(q, kv, fp8, d_v):
+        if sparse_mla_ws.supported(q, kv, fp8, d_v, config.block_n, config.num_stages, config.seesaw):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
                                                block_n=config.block_n, num_buf=config.num_stages,
                                                lazy=config.lazy, seesaw=config.seesaw,

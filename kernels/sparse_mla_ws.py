@@ -66,8 +66,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 HEADS = gl.constexpr(64)
 DIM = gl.constexpr(512)
 HALF = gl.constexpr(256)      # the columns of D (and d_v) one consumer owns
-FP8_ROW = gl.constexpr(584)   # bytes of an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scale bytes
-FP8_STAGES = gl.constexpr(2)  # staging slots of raw FP8 rows (the tile converting, the next)
+FP8_ROW_BYTES = 584           # an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scale bytes
+FP8_ROW = gl.constexpr(FP8_ROW_BYTES)
+_FP8_SLOTS = 2                # staging slots of raw FP8 rows (the tile converting, the next)
+FP8_STAGES = gl.constexpr(_FP8_SLOTS)
 
 
 @gluon.jit
@@ -564,18 +566,36 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-def s_bufs(block_n: int, num_buf: int) -> int:
-    """Score-swap buffers a consumer: two (parity) when they fit beside Q (64 KB) and the
-    ring, else one (64-row tiles, two ring buffers: 224 KB of the 227 KB)."""
-    ring = num_buf * block_n * DIM * 2
+SMEM_LIMIT = 227 * 1024      # shared memory a block may use on sm_90 / sm_100
+
+
+def _fp8_staging_bytes(block_n: int) -> int:
+    """Two staging slots of raw FP8 rows: 7 x 64 e4m3 bytes and 64 bf16 RoPE values a row."""
+    return _FP8_SLOTS * block_n * (7 * 64 + 64 * 2)
+
+
+def s_bufs(block_n: int, num_buf: int, fp8: bool = False) -> int:
+    """Score-swap buffers a consumer: two (parity) when they fit beside Q (64 KB), the ring
+    (and the FP8 staging), else one (64-row tiles, two ring buffers: 224 KB of the 227 KB)."""
+    ring = num_buf * block_n * DIM * 2 + (_fp8_staging_bytes(block_n) if fp8 else 0)
     return 2 if HEADS * DIM * 2 + ring + 4 * HEADS * block_n * 4 <= 200 * 1024 else 1
 
 
-def supported(q, kv, fp8: bool, d_v: int) -> bool:
+def smem_bytes(block_n: int, num_buf: int, seesaw: bool, fp8: bool) -> int:
+    """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
+    D split: fp32 score halves), the row maxima and sums, the FP8 staging."""
+    exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, fp8) * HEADS * block_n * 4
+    return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange + 8 * HEADS * 4
+            + (_fp8_staging_bytes(block_n) if fp8 else 0))
+
+
+def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
+              seesaw: bool = True) -> bool:
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
     shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
     in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
-    copied as is into the bf16 tile)."""
+    copied as is into the bf16 tile) where the launch's buffers and the staging fit (32-row
+    tiles, at most three ring buffers)."""
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
@@ -585,7 +605,8 @@ def supported(q, kv, fp8: bool, d_v: int) -> bool:
             and kv.dim() == 2 and kv.is_contiguous() and kv.data_ptr() % 16 == 0):
         return False
     if fp8:
-        return q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW
+        return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
+                and smem_bytes(block_n, num_buf, seesaw, True) <= SMEM_LIMIT)
     return kv.dtype == q.dtype and kv.shape[-1] == DIM        # 16-byte cp.async
 
 
@@ -617,11 +638,11 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    if fp8 and num_buf > 3:
-        # Q 64 KB + the ring + P 16 KB + two staging slots of raw rows (37 KB): four 32 KB
-        # buffers would need 246 KB of the 227 KB
-        raise ValueError(f"config: num_stages (the ring's buffers) must be at most 3 with the FP8 "
-                         f"cache (its staging takes the shared memory of a fourth), got {num_buf}")
+    if fp8 and smem_bytes(block_n, num_buf, seesaw, True) > SMEM_LIMIT:
+        # Q 64 KB + the ring + the exchange + two staging slots of raw rows (36 KB at 32 rows)
+        raise ValueError(f"block_n / num_buf: {block_n}-row tiles in {num_buf} ring buffers and the "
+                         f"FP8 staging need {smem_bytes(block_n, num_buf, seesaw, True)} bytes of "
+                         f"shared memory, more than {SMEM_LIMIT}; use 32-row tiles and <= 3 buffers")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
@@ -640,7 +661,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     _sparse_mla_ws_kernel[(B * S_q * splits,)](
         q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart, cnt,
         topk, splits, split_rows, scale * LOG2E, int(lazy),
-        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=seesaw,
+        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168)
     if split == 1:

@@ -663,6 +663,15 @@ def test_ws_applies_only_where_it_can():
         assert not sparse_mla_ws.supported(cq, ckv, False, 448)
         assert not sparse_mla_ws.supported(cq.float(), ckv.float(), False, 512)
     assert sparse_mla_ws.s_bufs(32, 3) == 2 and sparse_mla_ws.s_bufs(64, 2) == 1
+    # the FP8 staging fits beside 32-row tiles in at most three ring buffers (the D split
+    # then swaps its scores through one buffer a side); the sizes the sm_90 compile reports
+    assert sparse_mla_ws.s_bufs(32, 3, fp8=True) == 1
+    assert sparse_mla_ws.smem_bytes(32, 3, True, True) == 219136          # + 384 B of barriers
+    assert sparse_mla_ws.smem_bytes(32, 4, True, False) == 215040
+    for n, b, ss in [(32, 3, True), (32, 3, False), (32, 2, True)]:
+        assert sparse_mla_ws.smem_bytes(n, b, ss, True) <= sparse_mla_ws.SMEM_LIMIT
+    for n, b, ss in [(32, 4, True), (64, 2, False), (64, 2, True)]:
+        assert sparse_mla_ws.smem_bytes(n, b, ss, True) > sparse_mla_ws.SMEM_LIMIT
 
 
 def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None):
@@ -758,7 +767,8 @@ def test_gpu_ws_fp8_splits_and_extremes(splits):
 @pytest.mark.gpu
 @WS_GPU
 def test_gpu_ws_fp8_cuda_graph_and_ring_limit():
-    """FP8 replays from a CUDA graph with new inputs; a fourth ring buffer is refused by name."""
+    """FP8 replays from a CUDA graph with new inputs; a fourth ring buffer is refused by name
+    when the kernel is called directly (through the op, such a config runs the MMA loop)."""
     from dsv4lab.ops.attention import sparse_mla_decode_with_config
     q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, fp8=True, sink=True, device="cuda")
     graph, out, lse = _captured(q, kv, idx, snk, "ws_ss_n32_b3")
@@ -768,8 +778,9 @@ def test_gpu_ws_fp8_cuda_graph_and_ring_limit():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(q, out, lse, ref, ref_lse)
-    with pytest.raises(ValueError, match="num_stages"):
-        sparse_mla_decode_with_config(q, kv, idx, config="ws_ss_n32_b4", attn_sink=snk)
+    from dsv4lab.kernels import sparse_mla_ws
+    with pytest.raises(ValueError, match="block_n / num_buf"):      # called directly: refused
+        sparse_mla_ws.sparse_mla_ws(q, kv, idx, snk, 0.04, 1, 640, num_buf=4, seesaw=True)
 
 
 def _captured(q, kv, idx, snk, config):
