@@ -243,33 +243,53 @@ def _scale_words(kv_ptr, idx):
 
 
 @gluon.jit
+def _store_group(tile, raw, sw, j: gl.constexpr):
+    """Group j (columns 64 j ..) of a ring tile from its e4m3 bytes ``raw`` [BLOCK_N, 64]
+    and the rows' scale words: e4m3 to fp32, times 2^(s - 127) (exact), rounded once to
+    the tile's dtype (exact too: 3 mantissa bits)."""
+    scale = (((sw >> (8 * j)) & 0xFF) << 23).to(gl.int32).to(gl.float32, bitcast=True)
+    val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    tile.slice(64 * j, 64, dim=1).store(val.to(tile.dtype))
+
+
+@gluon.jit
+def _publish(tile_ready):
+    """The producer's plain shared-memory stores of a tile made visible to the consumers'
+    wgmma (the async proxy), then the tile signalled once every producer thread is done."""
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(tile_ready, count=1)
+
+
+@gluon.jit
 def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
                   qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
                   has_sink, split, lazy, nope_stage, rope_stage):
     """4 warps, the FP8 cache: the raw rows of tile i + 1 travel by cp.async into a staging
     slot while tile i is dequantised from the other slot into its ring buffer (e4m3 to
     fp32, times the group's power-of-two scale: exact in bf16) with plain shared-memory
-    stores, made visible to the consumers' wgmma by an async-proxy fence before the ready
-    signal. The consumers see the same bf16 tiles as with a bf16 cache."""
+    stores, fenced for the consumers' wgmma before the ready signal. The slots' indices
+    are loaded two tiles ahead, so no copy waits for its addresses. The consumers see the
+    same bf16 tiles as with a bf16 cache."""
     q_bar, kv_ready, kv_empty, s_ready, s_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     STAGES: gl.constexpr = rope_stage.type.shape[0]
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, chunk)
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, chunk))
-    r = gl.arange(0, BLOCK_N, layout=rows_l)
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk))
     _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
     idx = gl.load(idx_row + start + r, mask=start + r < end, other=-1)
     _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 0)
     sw = _scale_words(kv_ptr, idx)
+    idx = gl.load(idx_row + start + BLOCK_N + r, mask=start + BLOCK_N + r < end, other=-1)
     for i in range(n_tiles):
-        offs = start + (i + 1) * BLOCK_N + r
-        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)         # tile i + 1's slots
-        _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 1) % STAGES)
+        _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 1) % STAGES)    # tile i + 1
         sw_next = _scale_words(kv_ptr, idx)
+        offs = start + (i + 2) * BLOCK_N + r
+        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)                 # tile i + 2
         async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
         gl.thread_barrier()                       # every thread's copies, not just its own
         slot = i % STAGES
@@ -277,14 +297,9 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
         mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
         tile = kv_smem.index(buf)
         for j in gl.static_range(7):
-            raw = nope_stage.index(7 * slot + j).load(chunk)
-            scale = (((sw >> (8 * j)) & 0xFF) << 23).to(gl.int32).to(gl.float32, bitcast=True)
-            val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-            tile.slice(64 * j, 64, dim=1).store(val.to(tile.dtype))
+            _store_group(tile, nope_stage.index(7 * slot + j).load(chunk), sw, j)
         tile.slice(448, 64, dim=1).store(rope_stage.index(slot).load(chunk))
-        fence_async_shared()                      # generic stores -> the consumers' wgmma
-        gl.thread_barrier()                       # all stores (and staging reads) done
-        mbarrier.arrive(kv_ready.index(buf), count=1)
+        _publish(kv_ready.index(buf))             # (its barrier also frees the slot)
         sw = sw_next
     async_copy.wait_group(0)                      # the last (all -1) group, before exit
 
@@ -574,19 +589,19 @@ def _fp8_staging_bytes(block_n: int) -> int:
     return _FP8_SLOTS * block_n * (7 * 64 + 64 * 2)
 
 
-def s_bufs(block_n: int, num_buf: int, fp8: bool = False) -> int:
+def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
     """Score-swap buffers a consumer: two (parity) when they fit beside Q (64 KB), the ring
     (and the FP8 staging), else one (64-row tiles, two ring buffers: 224 KB of the 227 KB)."""
-    ring = num_buf * block_n * DIM * 2 + (_fp8_staging_bytes(block_n) if fp8 else 0)
+    ring = num_buf * block_n * DIM * 2 + (_fp8_staging_bytes(block_n) if staged else 0)
     return 2 if HEADS * DIM * 2 + ring + 4 * HEADS * block_n * 4 <= 200 * 1024 else 1
 
 
-def smem_bytes(block_n: int, num_buf: int, seesaw: bool, fp8: bool) -> int:
+def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool) -> int:
     """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
-    D split: fp32 score halves), the row maxima and sums, the FP8 staging."""
-    exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, fp8) * HEADS * block_n * 4
+    D split: fp32 score halves), the row maxima and sums, the FP8 staging (``staged``)."""
+    exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
     return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange + 8 * HEADS * 4
-            + (_fp8_staging_bytes(block_n) if fp8 else 0))
+            + (_fp8_staging_bytes(block_n) if staged else 0))
 
 
 def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
@@ -594,8 +609,8 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
     shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
     in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
-    copied as is into the bf16 tile) where the launch's buffers and the staging fit (32-row
-    tiles, at most three ring buffers)."""
+    copied as is into the bf16 tile) in 32-row tiles, the staging beside at most three
+    ring buffers (a fourth would need 246 KB of the 227)."""
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
@@ -606,7 +621,7 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
         return False
     if fp8:
         return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
-                and smem_bytes(block_n, num_buf, seesaw, True) <= SMEM_LIMIT)
+                and block_n == 32 and smem_bytes(block_n, num_buf, seesaw, True) <= SMEM_LIMIT)
     return kv.dtype == q.dtype and kv.shape[-1] == DIM        # 16-byte cp.async
 
 
@@ -638,11 +653,11 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    if fp8 and smem_bytes(block_n, num_buf, seesaw, True) > SMEM_LIMIT:
-        # Q 64 KB + the ring + the exchange + two staging slots of raw rows (36 KB at 32 rows)
-        raise ValueError(f"block_n / num_buf: {block_n}-row tiles in {num_buf} ring buffers and the "
-                         f"FP8 staging need {smem_bytes(block_n, num_buf, seesaw, True)} bytes of "
-                         f"shared memory, more than {SMEM_LIMIT}; use 32-row tiles and <= 3 buffers")
+    if fp8 and (block_n != 32 or smem_bytes(block_n, num_buf, seesaw, True) > SMEM_LIMIT):
+        # Q 64 KB + the ring + the exchange + two staging slots of raw rows (36 KB)
+        raise ValueError(f"block_n / num_buf: the FP8 cache takes 32-row tiles in at most 3 ring "
+                         f"buffers (shared memory: {smem_bytes(block_n, num_buf, seesaw, True)} of "
+                         f"{SMEM_LIMIT} bytes needed); got block_n={block_n}, num_buf={num_buf}")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device

@@ -659,13 +659,15 @@ def test_ws_applies_only_where_it_can():
         assert sparse_mla_ws.supported(cq, packed, True, 512) == _ws_applies()
         assert not sparse_mla_ws.supported(cq.half(), packed, True, 512)    # RoPE is bf16
         assert not sparse_mla_ws.supported(cq, packed[1:], True, 512)      # 584-byte offset
+        assert not sparse_mla_ws.supported(cq, packed, True, 512, 32, 4, True)     # no room
+        assert not sparse_mla_ws.supported(cq, packed, True, 512, 64, 2, False)
         assert not sparse_mla_ws.supported(cq[:, :, :32].contiguous(), ckv, False, 512)
         assert not sparse_mla_ws.supported(cq, ckv, False, 448)
         assert not sparse_mla_ws.supported(cq.float(), ckv.float(), False, 512)
     assert sparse_mla_ws.s_bufs(32, 3) == 2 and sparse_mla_ws.s_bufs(64, 2) == 1
     # the FP8 staging fits beside 32-row tiles in at most three ring buffers (the D split
     # then swaps its scores through one buffer a side); the sizes the sm_90 compile reports
-    assert sparse_mla_ws.s_bufs(32, 3, fp8=True) == 1
+    assert sparse_mla_ws.s_bufs(32, 3, staged=True) == 1
     assert sparse_mla_ws.smem_bytes(32, 3, True, True) == 219136          # + 384 B of barriers
     assert sparse_mla_ws.smem_bytes(32, 4, True, False) == 215040
     for n, b, ss in [(32, 3, True), (32, 3, False), (32, 2, True)]:
@@ -748,20 +750,21 @@ def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
-def test_gpu_ws_fp8_splits_and_extremes(splits):
-    """Forced split counts; rows whose groups span the FP8 range (scale bytes far from 127,
-    e4m3 subnormals, an all-zero group) and a -1 tail inside one split."""
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3"])
+def test_gpu_ws_fp8_splits_and_extremes(splits, variant):
+    """Forced split counts; rows whose groups get scales from 2^-20 to 2^4 (a wrong byte of
+    the scale word shows), e4m3 subnormals, an all-zero group, a -1 tail inside one split."""
     q, kv, idx, snk = make_case(6, 2, 64, 512, 4096, 1500, sink=True, seed=splits, empty_rows=[(1, 1)],
                                 device="cuda")
     g = torch.Generator(device="cuda").manual_seed(splits)
     spread = torch.randn(4096, 512, generator=g, device="cuda")
-    spread[:, :448] *= torch.exp2(torch.randint(-20, 20, (4096, 7), generator=g, device="cuda")
+    spread[:, :448] *= torch.exp2(torch.randint(-20, 5, (4096, 7), generator=g, device="cuda")
                                   .float()).repeat_interleave(64, dim=1)
     spread[::7, 64:128] = 0.0
     spread[1::5, :32] *= 1e-3            # half a group far below its amax: e4m3 subnormals
     kv = pack_kv_fp8(spread)
     idx[2, 0, 300:] = -1
-    _ws_check(q, kv, idx, snk, "ws_ss_n32_b3", splits=splits)
+    _ws_check(q, kv, idx, snk, variant, splits=splits)
 
 
 @pytest.mark.gpu
