@@ -415,15 +415,12 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     mbarrier.wait(q_bar, 0)
 
     n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
-    offs = start + W * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-    valid_next = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
     for j in range(n_pairs):
         par = j % 2
         t = 2 * j + W
         buf = t % NUM_BUF
-        valid = valid_next          # loaded a pair ahead: its latency off the chain
-        offs = start + (t + 2) * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-        valid_next = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
+        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+        valid = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
         mbarrier.wait(kv_ready.index(buf), (t // NUM_BUF) & 1)
         kv = kv_smem.index(buf)
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
