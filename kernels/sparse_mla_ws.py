@@ -68,7 +68,7 @@ DIM = gl.constexpr(512)
 HALF = gl.constexpr(256)      # the columns of D (and d_v) one consumer owns
 FP8_ROW_BYTES = 584           # an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scale bytes
 FP8_ROW = gl.constexpr(FP8_ROW_BYTES)
-_FP8_SLOTS = 3                # staging slots of raw FP8 rows (the tile converting, two ahead)
+_FP8_SLOTS = 2                # staging slots of raw FP8 rows (the tile converting, the next)
 FP8_STAGES = gl.constexpr(_FP8_SLOTS)
 
 
@@ -265,12 +265,12 @@ def _publish(tile_ready):
 def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem, bars,
                   qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
                   has_sink, split, lazy, nope_stage, rope_stage):
-    """4 warps, the FP8 cache: the raw rows of tiles i + 1 and i + 2 travel by cp.async
-    into two staging slots while tile i is dequantised from the third into its ring buffer
-    (e4m3 to fp32, times the group's power-of-two scale: exact in bf16) with plain
-    shared-memory stores, fenced for the consumers' wgmma before the ready signal. The
-    slots' indices are loaded a tile before their copy, so no copy waits for its
-    addresses. The consumers see the same bf16 tiles as with a bf16 cache."""
+    """4 warps, the FP8 cache: the raw rows of tile i + 1 travel by cp.async into a staging
+    slot while tile i is dequantised from the other slot into its ring buffer (e4m3 to
+    fp32, times the group's power-of-two scale: exact in bf16) with plain shared-memory
+    stores, fenced for the consumers' wgmma before the ready signal. The slots' indices
+    are loaded two tiles ahead, so no copy waits for its addresses. The consumers see the
+    same bf16 tiles as with a bf16 cache."""
     q_bar, kv_ready, kv_empty, s_ready, s_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
@@ -285,15 +285,12 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 0)
     sw = _scale_words(kv_ptr, idx)
     idx = gl.load(idx_row + start + BLOCK_N + r, mask=start + BLOCK_N + r < end, other=-1)
-    _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 1)
-    sw1 = _scale_words(kv_ptr, idx)
-    idx = gl.load(idx_row + start + 2 * BLOCK_N + r, mask=start + 2 * BLOCK_N + r < end, other=-1)
     for i in range(n_tiles):
-        _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 2) % STAGES)    # tile i + 2
-        sw2 = _scale_words(kv_ptr, idx)
-        offs = start + (i + 3) * BLOCK_N + r
-        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)                 # tile i + 3
-        async_copy.wait_group(2)                  # tile i's group (i + 1's, i + 2's may fly)
+        _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 1) % STAGES)    # tile i + 1
+        sw_next = _scale_words(kv_ptr, idx)
+        offs = start + (i + 2) * BLOCK_N + r
+        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)                 # tile i + 2
+        async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
         gl.thread_barrier()                       # every thread's copies, not just its own
         slot = i % STAGES
         buf = i % NUM_BUF
@@ -303,9 +300,8 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
             _store_group(tile, nope_stage.index(7 * slot + j).load(chunk), sw, j)
         tile.slice(448, 64, dim=1).store(rope_stage.index(slot).load(chunk))
         _publish(kv_ready.index(buf))             # (its barrier also frees the slot)
-        sw = sw1
-        sw1 = sw2
-    async_copy.wait_group(0)                      # the last (all -1) groups, before exit
+        sw = sw_next
+    async_copy.wait_group(0)                      # the last (all -1) group, before exit
 
 
 @triton.constexpr_function
@@ -405,7 +401,6 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     q_bar, kv_ready, kv_empty, p_ready, p_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
-    P_BUFS: gl.constexpr = p_smem.type.shape[0] // 2     # P buffers a side (FP8: one)
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = _wgmma_layout(HALF)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -421,7 +416,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
 
     n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
     for j in range(n_pairs):
-        par = j % P_BUFS
+        par = j % 2
         t = 2 * j + W
         buf = t % NUM_BUF
         offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
@@ -441,9 +436,9 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         # publish P, the max it is relative to and its fp32 row sums (the sums of the
         # rounded P would put a bf16 rounding into the other consumer's log-sum-exp); two
-        # buffers a side (one with the FP8 staging), the reader frees one
-        mine = W * P_BUFS + par
-        mbarrier.wait(p_free.index(mine), ((j // P_BUFS) & 1) ^ 1)
+        # buffers a side, the reader frees one
+        mine = W * 2 + par
+        mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
         p_smem.index(mine).store(p)
         m_smem.index(mine).store(m_i)
         m_smem.index(4 + mine).store(rsum)
@@ -452,10 +447,10 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1), acc,
                             is_async=True)
         # the other consumer's tile of the pair, rescaled to this consumer's running max
-        theirs = (1 - W) * P_BUFS + par
+        theirs = (1 - W) * 2 + par
         t2 = 2 * j + 1 - W
         buf2 = t2 % NUM_BUF
-        mbarrier.wait(p_ready.index(theirs), (j // P_BUFS) & 1)
+        mbarrier.wait(p_ready.index(theirs), (j // 2) & 1)
         p_o = p_smem.index(theirs).load(s_layout).to(gl.float32)
         m_o = m_smem.index(theirs).load(row_l)
         rsum_o = m_smem.index(4 + theirs).load(row_l)
@@ -540,9 +535,8 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                                        gl.NVMMASharedLayout.get_default_for([HEADS, DIM], dtype))
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, DIM], dtype))
-    if SEESAW:      # P exchange: bf16 [4, 64, BLOCK_N] (FP8: [2, ..]: one a side, the shared
-        # memory of a third staging slot) and the row maxima it is relative to
-        s_smem = gl.allocate_shared_memory(dtype, [2 if FP8 else 4, HEADS, BLOCK_N],
+    if SEESAW:      # P exchange: bf16 [4, 64, BLOCK_N] and the row maxima it is relative to
+        s_smem = gl.allocate_shared_memory(dtype, [4, HEADS, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     else:           # score swap: fp32 halves
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
@@ -572,8 +566,13 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         nope_stage = gl.allocate_shared_memory(gl.uint8, [7 * FP8_STAGES, BLOCK_N, 64], stage_l)
         rope_stage = gl.allocate_shared_memory(dtype, [FP8_STAGES, BLOCK_N, 64], stage_l)
-        gl.warp_specialize([(_producer_fp8, args + (nope_stage, rope_stage)), (_seesaw0, args),
-                            (_seesaw1, args)], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        fp8_args = args + (nope_stage, rope_stage)
+        if SEESAW:
+            gl.warp_specialize([(_producer_fp8, fp8_args), (_seesaw0, args), (_seesaw1, args)],
+                               [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        else:
+            gl.warp_specialize([(_producer_fp8, fp8_args), (_consumer0, args), (_consumer1, args)],
+                               [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     elif SEESAW:
         gl.warp_specialize([(_producer, args), (_seesaw0, args), (_seesaw1, args)],
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
@@ -586,27 +585,23 @@ SMEM_LIMIT = 227 * 1024      # shared memory a block may use on sm_90 / sm_100
 
 
 def _fp8_staging_bytes(block_n: int) -> int:
-    """The staging slots of raw FP8 rows: 7 x 64 e4m3 bytes and 64 bf16 RoPE values a row."""
+    """Two staging slots of raw FP8 rows: 7 x 64 e4m3 bytes and 64 bf16 RoPE values a row."""
     return _FP8_SLOTS * block_n * (7 * 64 + 64 * 2)
 
 
-def s_bufs(block_n: int, num_buf: int) -> int:
-    """Score-swap buffers a consumer: two (parity) when they fit beside Q (64 KB) and the
-    ring, else one (64-row tiles, two ring buffers: 224 KB of the 227 KB)."""
-    ring = num_buf * block_n * DIM * 2
+def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
+    """Score-swap buffers a consumer: two (parity) when they fit beside Q (64 KB), the ring
+    (and the FP8 staging), else one (64-row tiles, two ring buffers: 224 KB of the 227 KB)."""
+    ring = num_buf * block_n * DIM * 2 + (_fp8_staging_bytes(block_n) if staged else 0)
     return 2 if HEADS * DIM * 2 + ring + 4 * HEADS * block_n * 4 <= 200 * 1024 else 1
 
 
-def smem_bytes(block_n: int, num_buf: int, seesaw: bool, fp8: bool) -> int:
-    """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n],
-    [2, ..] with the FP8 cache; D split: fp32 score halves), the row maxima and sums, the
-    FP8 staging."""
-    if seesaw:
-        exchange = (2 if fp8 else 4) * HEADS * block_n * 2
-    else:
-        exchange = 2 * s_bufs(block_n, num_buf) * HEADS * block_n * 4
+def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool) -> int:
+    """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
+    D split: fp32 score halves), the row maxima and sums, the FP8 staging (``staged``)."""
+    exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
     return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange + 8 * HEADS * 4
-            + (_fp8_staging_bytes(block_n) if fp8 else 0))
+            + (_fp8_staging_bytes(block_n) if staged else 0))
 
 
 def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
@@ -614,8 +609,8 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
     shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
     in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
-    copied as is into the bf16 tile) for the seesaw consumers in 32-row tiles, the staging
-    beside at most three ring buffers (a fourth would need 256 KB of the 227)."""
+    copied as is into the bf16 tile) in 32-row tiles, the staging beside at most three
+    ring buffers (a fourth would need 246 KB of the 227)."""
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     if torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
@@ -626,7 +621,7 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
         return False
     if fp8:
         return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
-                and seesaw and block_n == 32 and smem_bytes(block_n, num_buf, True, True) <= SMEM_LIMIT)
+                and block_n == 32 and smem_bytes(block_n, num_buf, seesaw, True) <= SMEM_LIMIT)
     return kv.dtype == q.dtype and kv.shape[-1] == DIM        # 16-byte cp.async
 
 
@@ -658,12 +653,11 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    if fp8 and (not seesaw or block_n != 32 or smem_bytes(block_n, num_buf, True, True) > SMEM_LIMIT):
-        # Q 64 KB + the ring + P 8 KB + three staging slots of raw rows (54 KB)
-        raise ValueError(f"seesaw / block_n / num_buf: the FP8 cache takes the seesaw consumers, "
-                         f"32-row tiles, at most 3 ring buffers (shared memory: "
-                         f"{smem_bytes(block_n, num_buf, True, True)} of {SMEM_LIMIT} bytes "
-                         f"needed); got seesaw={seesaw}, block_n={block_n}, num_buf={num_buf}")
+    if fp8 and (block_n != 32 or smem_bytes(block_n, num_buf, seesaw, True) > SMEM_LIMIT):
+        # Q 64 KB + the ring + the exchange + two staging slots of raw rows (36 KB)
+        raise ValueError(f"block_n / num_buf: the FP8 cache takes 32-row tiles in at most 3 ring "
+                         f"buffers (shared memory: {smem_bytes(block_n, num_buf, seesaw, True)} of "
+                         f"{SMEM_LIMIT} bytes needed); got block_n={block_n}, num_buf={num_buf}")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
@@ -682,7 +676,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     _sparse_mla_ws_kernel[(B * S_q * splits,)](
         q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart, cnt,
         topk, splits, split_rows, scale * LOG2E, int(lazy),
-        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf), SEESAW=seesaw,
+        BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168)
     if split == 1:
