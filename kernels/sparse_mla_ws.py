@@ -216,36 +216,20 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
 
 
 @gluon.jit
-def _stage_fp8(kv_ptr, idx_b, idx_c, c, nope_stage, rope_stage, slot):
-    """Start copying FP8 rows into staging slot ``slot``, 8-byte cp.async (a 584-byte row
-    starts 8-byte aligned), committed as one group; -1 slots are zero-filled. The 448 e4m3
-    bytes go as one [BLOCK_N, 512] copy (columns 448.. zero) from ``idx_b`` (the rows in
-    the byte copy's layout), the bf16 RoPE part from ``idx_c`` (in ``c``'s layout). One
-    copy per buffer: Triton's shared-memory barrier analysis puts a barrier between any
-    two writes into one buffer (with seven group copies: six barriers a tile)."""
-    bytes_l: gl.constexpr = idx_b.type.layout.parent
-    cb = gl.arange(0, DIM, layout=gl.SliceLayout(0, bytes_l))
-    vb = idx_b >= 0
-    rb = gl.where(vb, idx_b, 0).to(gl.int64)[:, None]
-    async_copy.async_copy_global_to_shared(nope_stage.index(slot), kv_ptr + rb * FP8_ROW + cb[None, :],
-                                           mask=vb[:, None] & (cb < 448)[None, :])
-    vc = idx_c >= 0
-    rc = gl.where(vc, idx_c, 0).to(gl.int64)[:, None]
+def _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, slot):
+    """Start copying the FP8 rows ``idx`` ([BLOCK_N]; -1: zero-filled) into staging slot
+    ``slot``: the seven 64-byte e4m3 groups and the bf16 RoPE part, 8-byte cp.async (a
+    584-byte row starts 8-byte aligned), committed as one group."""
+    valid = idx >= 0
+    row = gl.where(valid, idx, 0).to(gl.int64)[:, None]
+    m = valid[:, None]
+    for j in gl.static_range(7):
+        async_copy.async_copy_global_to_shared(nope_stage.index(7 * slot + j),
+                                               kv_ptr + row * FP8_ROW + 64 * j + c[None, :], mask=m)
     rope_ptr = kv_ptr.to(gl.pointer_type(rope_stage.dtype))
     async_copy.async_copy_global_to_shared(rope_stage.index(slot),
-                                           rope_ptr + rc * (FP8_ROW // 2) + 224 + c[None, :],
-                                           mask=vc[:, None])
+                                           rope_ptr + row * (FP8_ROW // 2) + 224 + c[None, :], mask=m)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _slot_rows(idx_row, start, end, tile, rb, rc, BLOCK_N: gl.constexpr):
-    """The cache rows of tile ``tile``'s slots (-1 past ``end``) in the two layouts the
-    FP8 producer uses them in (``rb``, ``rc``: the arange of BLOCK_N in each)."""
-    ob = start + tile * BLOCK_N + rb
-    oc = start + tile * BLOCK_N + rc
-    return (gl.load(idx_row + ob, mask=ob < end, other=-1),
-            gl.load(idx_row + oc, mask=oc < end, other=-1))
 
 
 @gluon.jit
@@ -292,30 +276,28 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     STAGES: gl.constexpr = rope_stage.type.shape[0]
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    bytes_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, chunk))
-    rc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk))
-    rb = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bytes_l))
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk))
     _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
-    idx_b, idx_c = _slot_rows(idx_row, start, end, 0, rb, rc, BLOCK_N)
-    _stage_fp8(kv_ptr, idx_b, idx_c, c, nope_stage, rope_stage, 0)
-    sw = _scale_words(kv_ptr, idx_c)
-    idx_b, idx_c = _slot_rows(idx_row, start, end, 1, rb, rc, BLOCK_N)
+    idx = gl.load(idx_row + start + r, mask=start + r < end, other=-1)
+    _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 0)
+    sw = _scale_words(kv_ptr, idx)
+    idx = gl.load(idx_row + start + BLOCK_N + r, mask=start + BLOCK_N + r < end, other=-1)
     for i in range(n_tiles):
-        _stage_fp8(kv_ptr, idx_b, idx_c, c, nope_stage, rope_stage, (i + 1) % STAGES)   # tile i + 1
-        sw_next = _scale_words(kv_ptr, idx_c)
-        idx_b, idx_c = _slot_rows(idx_row, start, end, i + 2, rb, rc, BLOCK_N)           # tile i + 2
+        _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 1) % STAGES)    # tile i + 1
+        sw_next = _scale_words(kv_ptr, idx)
+        offs = start + (i + 2) * BLOCK_N + r
+        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)                 # tile i + 2
         async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
         gl.thread_barrier()                       # every thread's copies, not just its own
         slot = i % STAGES
         buf = i % NUM_BUF
         mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
         tile = kv_smem.index(buf)
-        stage = nope_stage.index(slot)
         for j in gl.static_range(7):
-            _store_group(tile, stage.slice(64 * j, 64, dim=1).load(chunk), sw, j)
+            _store_group(tile, nope_stage.index(7 * slot + j).load(chunk), sw, j)
         tile.slice(448, 64, dim=1).store(rope_stage.index(slot).load(chunk))
         _publish(kv_ready.index(buf))             # (its barrier also frees the slot)
         sw = sw_next
@@ -582,7 +564,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
     if FP8:         # raw rows staged by cp.async, dequantised by the producer into the ring
         stage_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        nope_stage = gl.allocate_shared_memory(gl.uint8, [FP8_STAGES, BLOCK_N, DIM], stage_l)
+        nope_stage = gl.allocate_shared_memory(gl.uint8, [7 * FP8_STAGES, BLOCK_N, 64], stage_l)
         rope_stage = gl.allocate_shared_memory(dtype, [FP8_STAGES, BLOCK_N, 64], stage_l)
         fp8_args = args + (nope_stage, rope_stage)
         if SEESAW:
@@ -603,9 +585,8 @@ SMEM_LIMIT = 227 * 1024      # shared memory a block may use on sm_90 / sm_100
 
 
 def _fp8_staging_bytes(block_n: int) -> int:
-    """Two staging slots of raw FP8 rows: 512 bytes for the 448 e4m3 ones and 64 bf16 RoPE
-    values a row."""
-    return _FP8_SLOTS * block_n * (DIM + 64 * 2)
+    """Two staging slots of raw FP8 rows: 7 x 64 e4m3 bytes and 64 bf16 RoPE values a row."""
+    return _FP8_SLOTS * block_n * (7 * 64 + 64 * 2)
 
 
 def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
