@@ -4,6 +4,12 @@ Every row carries where it was measured (GPU, capability, torch, triton, git com
 date). Rows are never edited or dropped; newer rows simply come later. ``load`` returns
 them for plotting; ``latest`` keeps the newest row per configuration.
 
+Withdrawn commits. An experiment measured and then reverted leaves rows of code that is
+not in the project any more; newest-first readers (``dsv4lab targets``, the notebooks'
+recorded-row cells) would take them for the shipped kernels' figures. Such commits are
+listed, with the reason, in ``withdrawn.json`` beside the rows: ``load`` leaves their rows
+out unless asked (``withdrawn=True``); the rows themselves stay in the files.
+
 Explained in notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
@@ -76,11 +82,25 @@ def _jsonable(x):
     return str(x)
 
 
-def load(bench: str, *, directory: Path | str | None = None, **filters) -> list[dict]:
-    """Rows of ``<bench>.jsonl`` whose fields equal every ``filters`` value."""
+WITHDRAWN_FILE = "withdrawn.json"
+
+
+def withdrawn_commits(directory: Path | str | None = None) -> dict:
+    """{commit: reason} of the withdrawn commits listed beside the rows (none: {})."""
+    path = Path(directory or results_dir()) / WITHDRAWN_FILE
+    if not path.exists():
+        return {}
+    return {entry["commit"]: entry["reason"] for entry in json.loads(path.read_text())}
+
+
+def load(bench: str, *, directory: Path | str | None = None, withdrawn: bool = False,
+         **filters) -> list[dict]:
+    """Rows of ``<bench>.jsonl`` whose fields equal every ``filters`` value, without the
+    rows of withdrawn commits unless ``withdrawn`` (see the module docstring)."""
     path = Path(directory or results_dir()) / f"{bench}.jsonl"
     if not path.exists():
         return []
+    skip = set() if withdrawn else set(withdrawn_commits(directory))
     rows = []
     with path.open() as f:
         for line in f:
@@ -88,6 +108,8 @@ def load(bench: str, *, directory: Path | str | None = None, **filters) -> list[
             if not line:
                 continue
             row = json.loads(line)
+            if str(row.get("commit", ""))[:7] in skip:
+                continue
             if all(row.get(k) == v for k, v in filters.items()):
                 rows.append(row)
     return rows

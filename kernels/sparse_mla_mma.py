@@ -553,8 +553,9 @@ class Config(NamedTuple):
     of computed by both; the plain or PIPE_GATHER loop, bf16 and FP8; ignores ``lazy``);
     ``ws``: the warp-specialised kernel (kernels/sparse_mla_ws.py: a producer warp group
     gathers ``block_n``-row tiles into a ring of ``num_stages`` buffers, two consumer warp
-    groups compute) where it applies (capability 9.x/10.x, bf16/fp16 q and cache, 64 heads,
-    D = d_v = 512; ``num_warps`` unused), this configuration's plain loop elsewhere;
+    groups compute) where it applies (capability 9.x/10.x, bf16/fp16 q and cache or bf16 q
+    and the FP8 cache at ``block_n`` 32 and <= 3 buffers, 64 heads, D = d_v = 512;
+    ``num_warps`` unused), this configuration's plain loop elsewhere;
     ``seesaw``: with ``ws``, the consumers own alternate tiles (full scores each) instead of
     halves of D; ``merge_pair``: with ``ws`` and exactly two split-KV ranges, the two
     programs of a query merge their partials themselves instead of the combine kernel (a
@@ -600,10 +601,11 @@ DEVICE_TABLE: dict = {
         ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True),
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
-        # fp8 large/mid: variant fp8fast_sqk_pg_n64_s3 (05c7f91 round): 316.6 us at B128 S2 T2048
-        # (571.3 with Config(64, 8, 2), 423.3 with fp8fast_pg_n32_s4), 99.2 us at B64 S1 T2048
-        # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py);
-        # elsewhere (sm_80, sm_120, fp16 q) this entry runs the plain loop at N32 w8 s3.
+        # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py):
+        # 269.3 us at B128 S2 T2048 and 77.4 at B64 S1 (rows at 9b970d6) against 317.1 / 96.8
+        # for the previous entry, fp8fast_sqk_pg_n64_s3 = Config(64, 8, 3, 64, pipe_gather=True,
+        # fp8_fast=True, split_qk=True) (which had replaced Config(64, 8, 2): 571.3 us). Elsewhere
+        # (sm_80, sm_120, fp16 q) this entry runs the plain loop at N32 w8 s3.
         ("fp8", "large"): Config(32, 8, 3, 64, ws=True, seesaw=True),
         ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True),
         ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
@@ -684,8 +686,9 @@ VARIANTS: dict = {
     # num 6. (bf16 at 16 warps: the same layouts, N32 s3 0 spills; not a row.)
     "fp8fast_sqk_pg_n32_s4_w16": Config(32, 16, 4, 64, pipe_gather=True, fp8_fast=True,
                                         split_qk=True),
-    # The warp-specialised kernel (kernels/sparse_mla_ws.py; bf16/fp16 KV on sm_90/sm_100;
-    # elsewhere, and for FP8 KV, the plain loop at N32 w8 s3 / N64 w8 s2): a ring of three
+    # The warp-specialised kernel (kernels/sparse_mla_ws.py; bf16/fp16 KV on sm_90/sm_100, and
+    # the FP8 cache with bf16 q at 32-row tiles and <= 3 buffers; elsewhere the plain loop at
+    # N32 w8 s3 / N64 w8 s2): a ring of three
     # 32-row or two 64-row tiles, the lazy rescale or not. sm_90, triton 3.6, compiled
     # offline: 197 / 230 KB shared memory, 168 registers a thread at launch (producer 40,
     # consumers 232 after setmaxnreg), no spills at N32, 136 B at N64.

@@ -51,10 +51,27 @@ programs of a pair themselves: ``merge_pair``, see :func:`_epilogue`). Constexpr
 cross into Gluon's warp-specialised partitions (Triton 3.6): the partitions read BLOCK_N,
 NUM_BUF and the design off their shared-memory buffers' shapes and types.
 
-Scope: bf16 (or fp16) q and KV cache, H = 64 heads (one block), D = d_v = 512, on
-capability 9.x and 10.x with Triton's Gluon; everything else (the interpreter, sm_80,
-sm_120, FP8 KV, other shapes) runs kernels/sparse_mla_mma.py. Explained in
-notebooks/02_mma_attention.ipynb.
+The FP8 cache (584-byte rows: 448 e4m3, 64 bf16 RoPE, the groups' scale bytes). The
+producer copies tile i + 1's raw rows by ``cp.async`` into one of two staging slots while
+it dequantises tile i from the other into its ring buffer (e4m3 to fp32, times the
+group's power of two, to bf16: exact), fences those plain stores for the consumers'
+wgmma and signals the tile; the consumers run the bf16 code unchanged. Staging takes the
+shared memory of a fourth ring buffer, so FP8 runs three. H200, rows at 9b970d6: 269.3 us
+at B 128 / S_q 2 and 77.4 at B 64 / S_q 1 (the MMA kernel's FP8 path: 317.1 / 96.8;
+bf16 here with three buffers: 214.8 / 67.3, with four: 190.4 / 61.6). Measured slower
+and reverted (rows withdrawn from newest-first readers, data/results/withdrawn.json): a
+third staging slot paid for with one P buffer a side (281.4 / 82.8, 250b8c8); a tile's
+e4m3 bytes staged by one [32, 512] copy instead of seven group copies (472.8 / 106.0,
+93df762: Triton's barrier analysis puts a bar.sync between any two copies into one
+buffer, six a tile, but 512-byte staged rows put the conversion's reads of four rows in
+one shared-memory bank). Offline only: the raw rows held in the producer's registers
+instead of staged (a fourth ring buffer) spilled 1.4-2 KB at 72-104 registers (byte
+tensors take a register a byte).
+
+Scope: bf16 (or fp16) q and KV cache, or bf16 q and the FP8 cache, H = 64 heads (one
+block), D = d_v = 512, on capability 9.x and 10.x with Triton's Gluon; everything else
+(the interpreter, sm_80, sm_120, fp16 q with FP8, other shapes) runs
+kernels/sparse_mla_mma.py. Explained in notebooks/02_mma_attention.ipynb.
 """
 import torch
 import triton

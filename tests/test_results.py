@@ -105,3 +105,29 @@ def test_committed_rows_carry_provenance():
             assert not missing, f"{path.name}:{n} lacks {missing}"
             assert row.get("smoke") is not True, f"{path.name}:{n} is a smoke row"
             assert row["bench"] == path.stem, f"{path.name}:{n} belongs to bench {row['bench']!r}"
+
+
+def test_withdrawn_commits_are_left_out_unless_asked(rdir):
+    """Rows of a commit listed in withdrawn.json (a reverted experiment) stay in the file
+    but not in what load() returns, so newest-first readers see the shipped code's rows."""
+    results.record("x", [{"n": 1}])
+    (rdir / "x.jsonl").open("a").write(json.dumps({"bench": "x", "commit": "dead123", "n": 2}) + "\n")
+    (rdir / "withdrawn.json").write_text(json.dumps(
+        [{"commit": "dead123", "bench": "x", "reason": "reverted"}]))
+    assert results.withdrawn_commits() == {"dead123": "reverted"}
+    assert [r["n"] for r in results.load("x")] == [1]
+    assert [r["n"] for r in results.load("x", withdrawn=True)] == [1, 2]
+    assert len((rdir / "x.jsonl").read_text().splitlines()) == 2      # nothing dropped
+
+
+def test_committed_withdrawals_name_recorded_commits_and_reasons():
+    """Each withdrawn commit has rows in its bench's file and a reason that names the revert."""
+    from pathlib import Path
+
+    directory = Path(__file__).resolve().parents[1] / "data" / "results"
+    entries = json.loads((directory / results.WITHDRAWN_FILE).read_text())
+    for entry in entries:
+        rows = results.load(entry["bench"], directory=directory, withdrawn=True, commit=entry["commit"])
+        assert rows, f"no {entry['bench']} rows at {entry['commit']}"
+        assert not results.load(entry["bench"], directory=directory, commit=entry["commit"])
+        assert "reverted" in entry["reason"]
