@@ -167,7 +167,9 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=128, BK1=128, BK2=256, ROWMAX=True, num_stages=4),
     _c(FASTDEC=True, XPRE=True, W16=True, BN1=64, BN2=64, BK1=128, BK2=128),
     # round 10, T = 64 MXFP4: NVFP4's T = 64 winner is _FX (BK 256/256, BN 64/64: 987 us against
-    # MXFP4's 1029 at 10c5467); ROWMAX at BK1 256 without a register cap, and wider down tiles
+    # MXFP4's 1029 at 10c5467); ROWMAX at BK1 256 without a register cap, and wider down tiles.
+    # Timed at de6a4d8 (H200, this script's routing, --only 77,93-96): #93 1510.8, #94 1515.8,
+    # #95 1456.1, #96 1311.3 us against 1054.2 for #77 (the default): all slower
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=128, BK1=256, BK2=256, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=256, BK2=256, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, BN1=32, BN2=128, BK1=256, BK2=256, ROWMAX=True),
