@@ -192,6 +192,14 @@ def _load_q(q_row, q_smem, q_bar):
 
 
 @gluon.jit
+def _slots(idx_row, start, end, tile, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """The cache rows of tile ``tile``'s slots of the range (-1 past ``end``), laid out as
+    ``layout`` (a slice layout of the tensor they address)."""
+    offs = start + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    return gl.load(idx_row + offs, mask=offs < end, other=-1)
+
+
+@gluon.jit
 def _tile_count(start, end, BLOCK_N: gl.constexpr, s_smem):
     """Tiles of the range; seesaw (a 16-bit exchange buffer) takes whole pairs: a last odd
     tile's twin is all -1."""
@@ -217,14 +225,12 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
-    offs = start + gl.arange(0, BLOCK_N, layout=rows_l)
-    idx = gl.load(idx_row + offs, mask=offs < end, other=-1)
+    idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
     for i in range(n_tiles):
         buf = i % NUM_BUF
         valid = idx >= 0
         ptrs = kv_ptr + gl.where(valid, idx, 0).to(gl.int64)[:, None] * DIM + cols[None, :]
-        offs = start + (i + 1) * BLOCK_N + gl.arange(0, BLOCK_N, layout=rows_l)
-        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)      # tile i + 1's slots
+        idx = _slots(idx_row, start, end, i + 1, BLOCK_N, rows_l)     # tile i + 1's slots
         mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
         # masked rows are zero-filled: P = 0 there, and 0 * V stays 0
         async_copy.async_copy_global_to_shared(kv_smem.index(buf), ptrs, mask=valid[:, None])
@@ -293,20 +299,19 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     STAGES: gl.constexpr = rope_stage.type.shape[0]
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, chunk)
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, chunk))
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk))
     _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
-    idx = gl.load(idx_row + start + r, mask=start + r < end, other=-1)
+    idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
     _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 0)
     sw = _scale_words(kv_ptr, idx)
-    idx = gl.load(idx_row + start + BLOCK_N + r, mask=start + BLOCK_N + r < end, other=-1)
+    idx = _slots(idx_row, start, end, 1, BLOCK_N, rows_l)
     for i in range(n_tiles):
         _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, (i + 1) % STAGES)    # tile i + 1
         sw_next = _scale_words(kv_ptr, idx)
-        offs = start + (i + 2) * BLOCK_N + r
-        idx = gl.load(idx_row + offs, mask=offs < end, other=-1)                 # tile i + 2
+        idx = _slots(idx_row, start, end, i + 2, BLOCK_N, rows_l)                # tile i + 2
         async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
         gl.thread_barrier()                       # every thread's copies, not just its own
         slot = i % STAGES
@@ -353,8 +358,7 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     n_tiles = gl.cdiv(end - start, BLOCK_N)
     for i in range(n_tiles):
         buf = i % NUM_BUF
-        offs = start + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-        valid = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
+        valid = _slots(idx_row, start, end, i, BLOCK_N, col_l) >= 0
         mbarrier.wait(kv_ready.index(buf), (i // NUM_BUF) & 1)
         kv = kv_smem.index(buf)
         s = warpgroup_mma(q_half, kv.slice(W * HALF, HALF, dim=1).permute([1, 0]), s0,
@@ -436,8 +440,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         par = j % 2
         t = 2 * j + W
         buf = t % NUM_BUF
-        offs = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-        valid = gl.load(idx_row + offs, mask=offs < end, other=-1) >= 0
+        valid = _slots(idx_row, start, end, t, BLOCK_N, col_l) >= 0
         mbarrier.wait(kv_ready.index(buf), (t // NUM_BUF) & 1)
         kv = kv_smem.index(buf)
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
