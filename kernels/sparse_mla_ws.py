@@ -104,8 +104,38 @@ def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr
     return last + 1
 
 
+@triton.constexpr_function
+def _row_store_layout():
+    """[64, 256] with 8 consecutive columns a thread, warp w keeping the wgmma
+    accumulator's rows 16 w .. 16 w + 15 (Triton 3.6 still converts through a small
+    shared-memory scratch, in rounds)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [0, 32], [0, 64], [0, 128]],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[HEADS, HALF])
+
+
 @gluon.jit
-def _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W: gl.constexpr):
+def _store_rows(ptr, rows, v, W: gl.constexpr):
+    """Store consumer W's half (columns W * 256 ..) of the 16-bit output rows ``rows``,
+    16 bytes a thread.
+
+    Straight from the accumulator layout a thread holds 2 consecutive columns, so a warp's
+    bf16 store writes 8 rows x 16 bytes, half of each 32-byte sector it touches. Converted
+    first, a store writes 8 rows x 64 bytes. H200, rows without split-KV: 189.4 -> 181.2 us
+    at B 128 / S_q 2 (FP8 271.0 -> 263.4), 100.9 -> 96.1 at B 128 / S_q 1 (exp/probe2 at
+    1312a5d, by the benchmark's method). The fp32 split partials are stored as they are:
+    a thread's 2 columns already fill 32-byte sectors there, and converting them cost
+    4.4 us at B 64 / S_q 1 (the conversion's rounds through shared memory)."""
+    st: gl.constexpr = _row_store_layout()
+    v = gl.convert_layout(v, st)
+    r = gl.convert_layout(rows, gl.SliceLayout(1, st))
+    c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, st))
+    gl.store(ptr + r[:, None] * DIM + c[None, :], v)
+
+
+@gluon.jit
+def _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, has_sink, W: gl.constexpr):
     """Write this consumer's half of the output rows from their normalised output ``o`` and
     base-2 log-sum-exp ``lse2`` (-inf: no valid slot), with the attention sink."""
     if has_sink:
@@ -117,7 +147,7 @@ def _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W: gl.con
         lse = (m_f + gl.log2(denom)) * 0.6931471805599453
     else:
         lse = lse2 * 0.6931471805599453
-    gl.store(out_ptr + (orow + h)[:, None] * DIM + c[None, :], o.to(out_ptr.dtype.element_ty))
+    _store_rows(out_ptr, orow + h, o.to(out_ptr.dtype.element_ty), W)
     if W == 0:
         gl.store(lse_ptr + orow + h, lse)
 
@@ -150,7 +180,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
     o = acc / gl.where(has, l_o, 1.0)[:, None]
     lse2 = gl.where(has, m_o + gl.log2(gl.where(has, l_o, 1.0)), float("-inf"))
     if split == 0:
-        _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W)
+        _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, has_sink, W)
     elif split == 1:
         gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
         if W == 0:
@@ -177,7 +207,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
             ok = denom > 0
             o = (o * w1[:, None] + o2 * w2[:, None]) / gl.where(ok, denom, 1.0)[:, None]
             lse2 = gl.where(ok, m_safe + gl.log2(gl.where(ok, denom, 1.0)), float("-inf"))
-            _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, c, has_sink, W)
+            _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, has_sink, W)
 
 
 @gluon.jit
@@ -616,12 +646,16 @@ def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
     return 2 if HEADS * DIM * 2 + ring + 4 * HEADS * block_n * 4 <= 200 * 1024 else 1
 
 
+STORE_SCRATCH = 3856         # the output store's layout conversion (sm_90 compile, Triton 3.6)
+
+
 def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool) -> int:
     """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
-    D split: fp32 score halves), the row maxima and sums, the FP8 staging (``staged``)."""
+    D split: fp32 score halves), the row maxima and sums, the FP8 staging (``staged``), the
+    output store's conversion scratch (:func:`_store_rows`)."""
     exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
     return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange + 8 * HEADS * 4
-            + (_fp8_staging_bytes(block_n) if staged else 0))
+            + (_fp8_staging_bytes(block_n) if staged else 0) + STORE_SCRATCH)
 
 
 def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
