@@ -688,13 +688,14 @@ VARIANTS: dict = {
                                         split_qk=True),
     # The warp-specialised kernel (kernels/sparse_mla_ws.py; bf16/fp16 KV on sm_90/sm_100, and
     # the FP8 cache with bf16 q at 32-row tiles and <= 3 buffers; elsewhere the plain loop at
-    # N32 w8 s3 / N64 w8 s2): a ring of three
-    # 32-row or two 64-row tiles, the lazy rescale or not. sm_90, triton 3.6, compiled
-    # offline: 197 / 230 KB shared memory, 168 registers a thread at launch (producer 40,
-    # consumers 232 after setmaxnreg), no spills at N32, 136 B at N64.
+    # N32 w8 s3): a ring of three 32-row tiles, the lazy rescale or not. sm_90, triton 3.6,
+    # compiled offline: 197 KB shared memory, 168 registers a thread at launch (producer 40,
+    # consumers 232 after setmaxnreg), no spills. Retired at 709fa69: ws_n64_b2_lazy (two
+    # 64-row tiles, 230 KB), which the output store's conversion scratch (3.9 KB) put past
+    # the 227 KB a block may have; it was slower anyway (85.7 / 293.9 us at B64 S1 / B128 S2,
+    # rows at 3e241a5).
     "ws_n32_b3": Config(32, 8, 3, 64, ws=True),
     "ws_n32_b3_lazy": Config(32, 8, 3, 64, lazy=True, ws=True),
-    "ws_n64_b2_lazy": Config(64, 8, 2, 64, lazy=True, ws=True),
     "ws_ss_n32_b3": Config(32, 8, 3, 64, ws=True, seesaw=True),
     "ws_ss_n32_b4": Config(32, 8, 4, 64, ws=True, seesaw=True),
     # the same with two split-KV ranges merged by the pair itself instead of the combine

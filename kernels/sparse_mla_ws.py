@@ -673,9 +673,11 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     if not (H == HEADS and D == DIM and d_v == DIM and q.is_contiguous() and q.data_ptr() % 16 == 0
             and kv.dim() == 2 and kv.is_contiguous() and kv.data_ptr() % 16 == 0):
         return False
+    if smem_bytes(block_n, num_buf, seesaw, fp8) > SMEM_LIMIT:
+        return False
     if fp8:
         return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
-                and block_n == 32 and smem_bytes(block_n, num_buf, seesaw, True) <= SMEM_LIMIT)
+                and block_n == 32)
     return kv.dtype == q.dtype and kv.shape[-1] == DIM        # 16-byte cp.async
 
 
@@ -712,6 +714,10 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         raise ValueError(f"block_n / num_buf: the FP8 cache takes 32-row tiles in at most 3 ring "
                          f"buffers (shared memory: {smem_bytes(block_n, num_buf, seesaw, True)} of "
                          f"{SMEM_LIMIT} bytes needed); got block_n={block_n}, num_buf={num_buf}")
+    if smem_bytes(block_n, num_buf, seesaw, False) > SMEM_LIMIT:
+        raise ValueError(f"block_n / num_buf: {num_buf} ring buffers of {block_n} rows need "
+                         f"{smem_bytes(block_n, num_buf, seesaw, False)} bytes of shared memory, "
+                         f"more than the {SMEM_LIMIT} a block may use")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device

@@ -36,7 +36,7 @@ import triton.language as tl  # noqa: E402
 H, D = 64, 512
 L2_ROWS = 4096
 # the warp-specialised kernel's variants (kernels/sparse_mla_ws.py)
-WS_VARIANTS = ("ws_n32_b3", "ws_n32_b3_lazy", "ws_n64_b2_lazy", "ws_ss_n32_b3", "ws_ss_n32_b4")
+WS_VARIANTS = ("ws_n32_b3", "ws_n32_b3_lazy", "ws_ss_n32_b3", "ws_ss_n32_b4")
 
 
 @triton.jit
