@@ -87,17 +87,13 @@ FP8_ROW_BYTES = 584           # an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scal
 FP8_ROW = gl.constexpr(FP8_ROW_BYTES)
 _FP8_SLOTS = 2                # staging slots of raw FP8 rows (the tile converting, the next)
 FP8_STAGES = gl.constexpr(_FP8_SLOTS)
-SCAN = gl.constexpr(512)      # slots one load of _trim_end reads (one load for a dense list)
 
 
 @gluon.jit
-def _trim_end(idx_row, start, end):
+def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr):
     """One past the last valid slot of ``idx_row[start:end]`` (``start`` if none): the
-    -1 tail of a long list costs no tile (as kernels/sparse_mla_mma.py's _trim_tail).
-    Each partition (4 warps) runs it itself, after its first loads are issued: at the
-    kernel's top it held every load of the program back by a memory latency."""
-    SCAN_N: gl.constexpr = SCAN
-    layout: gl.constexpr = gl.BlockedLayout([SCAN_N // 128], [32], [4], [0])
+    -1 tail of a long list costs no tile (as kernels/sparse_mla_mma.py's _trim_tail)."""
+    layout: gl.constexpr = gl.BlockedLayout([SCAN_N // (32 * num_warps)], [32], [num_warps], [0])
     last = start - 1
     hi = end
     while (hi > start) & (last < start):
@@ -256,12 +252,10 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, gather)
     cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
-    # tile 0's slots before Q's 64 KB: queued behind them, this load took ~2.8 us, and the
-    # first tile landed ~2 us after Q (H200, B 64 / S_q 1, %globaltimer probes)
-    idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
     _load_q(q_row, q_smem, q_bar)
-    end = _trim_end(idx_row, start, end)
+
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
+    idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
     for i in range(n_tiles):
         buf = i % NUM_BUF
         valid = idx >= 0
@@ -337,10 +331,10 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, chunk)
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, chunk))
-    idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)     # before Q (see _producer)
     _load_q(q_row, q_smem, q_bar)
-    end = _trim_end(idx_row, start, end)
+
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
+    idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
     _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, 0)
     sw = _scale_words(kv_ptr, idx)
     idx = _slots(idx_row, start, end, 1, BLOCK_N, rows_l)
@@ -389,7 +383,6 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
     s0 = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
     q_half = q_smem.slice(W * HALF, HALF, dim=1)
-    end = _trim_end(idx_row, start, end)
     mbarrier.wait(q_bar, 0)
 
     n_tiles = gl.cdiv(end - start, BLOCK_N)
@@ -470,7 +463,6 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
     acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
     s0 = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
-    end = _trim_end(idx_row, start, end)
     mbarrier.wait(q_bar, 0)
 
     n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
@@ -572,7 +564,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           lpart_ptr, cnt_ptr, topk, num_splits, split_rows, qk_scale, lazy,
                           BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, S_BUFS: gl.constexpr,
                           SEESAW: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr,
+                          SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
                           FP8: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
@@ -584,7 +576,8 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     bs = (pid // num_splits).to(gl.int64)
     start = sp * split_rows
     end = gl.minimum(start + split_rows, topk)
-    idx_row = idx_ptr + bs * topk      # each partition trims the range's -1 tail itself
+    idx_row = idx_ptr + bs * topk
+    end = _trim_end(idx_row, start, end, SCAN_N, num_warps)
     q_row = q_ptr + bs * (HEADS * DIM)
 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -653,14 +646,13 @@ def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
     return 2 if HEADS * DIM * 2 + ring + 4 * HEADS * block_n * 4 <= 200 * 1024 else 1
 
 
-STORE_SCRATCH = 3984         # layout conversion and reduction scratch (sm_90 compile, Triton 3.6)
+STORE_SCRATCH = 3856         # the output store's layout conversion (sm_90 compile, Triton 3.6)
 
 
 def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool) -> int:
     """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
     D split: fp32 score halves), the row maxima and sums, the FP8 staging (``staged``), the
-    scratch of the output store's layout conversion (:func:`_store_rows`) and of the
-    partitions' reductions."""
+    output store's conversion scratch (:func:`_store_rows`)."""
     exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
     return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange + 8 * HEADS * 4
             + (_fp8_staging_bytes(block_n) if staged else 0) + STORE_SCRATCH)
@@ -704,7 +696,7 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
-                  lazy=False, seesaw=False, merge_pair=False):
+                  lazy=False, seesaw=False, scan_n=512, merge_pair=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
@@ -746,7 +738,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         topk, splits, split_rows, scale * LOG2E, int(lazy),
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
-        PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168)
+        SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits)
     return out, lse
