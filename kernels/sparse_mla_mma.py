@@ -593,7 +593,8 @@ DEVICE_TABLE: dict = {
     "NVIDIA H200": {
         # bf16 large/mid: variant ws_ss_n32_b4, the warp-specialised seesaw kernel
         # (kernels/sparse_mla_ws.py). Recorded at 3e241a5 (sparse_mla.jsonl, variant rows):
-        # 187.9 us at B128 S2 T2048 and 63.1 us at B64 S1 against 241.6 / 79.6 for the
+        # 187.9 us at B128 S2 T2048 and 63.1 us at B64 S1 (181.6 / 61.5 at e167caf, the
+        # output rows stored 16 bytes a thread) against 241.6 / 79.6 for the
         # previous entry, sqk_n64 = Config(64, 8, 2, 64, split_qk=True) (which had replaced
         # Config(64, 8, 2): 294.9 / 91.9 us); the whole mid/large sweep moved 1.1-1.3x, none
         # slower. Elsewhere (H != 64, sm_80, sm_120) this entry runs the plain loop, N32 w8 s4.
@@ -602,7 +603,8 @@ DEVICE_TABLE: dict = {
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
         # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py):
-        # 269.3 us at B128 S2 T2048 and 77.4 at B64 S1 (rows at 9b970d6) against 317.1 / 96.8
+        # 269.3 us at B128 S2 T2048 and 77.4 at B64 S1 (rows at 9b970d6; 262.2 / 78.0 at
+        # e167caf) against 317.1 / 96.8
         # for the previous entry, fp8fast_sqk_pg_n64_s3 = Config(64, 8, 3, 64, pipe_gather=True,
         # fp8_fast=True, split_qk=True) (which had replaced Config(64, 8, 2): 571.3 us). Elsewhere
         # (sm_80, sm_120, fp16 q) this entry runs the plain loop at N32 w8 s3.

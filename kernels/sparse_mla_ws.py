@@ -23,7 +23,9 @@ How the consumers share the scores is the whole difference, and was measured bot
   consumer's P to its own running max as it arrives. Each consumer so keeps a complete
   online-softmax state (max, sum, half the output); the two meet only through the P
   buffers (two a side), and one consumer's softmax runs while the other's matmuls do.
-  H200, B 128 / S_q 2 / topk 2048: 188 us, against 240 for the MMA kernel.
+  H200, B 128 / S_q 2 / topk 2048: 181.6 us (rows at e167caf; 188 before the output
+  rows were stored 16 bytes a thread, see :func:`_store_rows`), against 240 for the MMA
+  kernel.
 * **D split** (the ``ws_n*`` variants): consumer w computes the scores' half-sum
   Q[:, w] K[:, w]^T and swaps it with the other consumer through shared memory; both then
   run the same softmax. Its time from HBM equals its time from L2 (the gathers are fully
@@ -56,9 +58,17 @@ producer copies tile i + 1's raw rows by ``cp.async`` into one of two staging sl
 it dequantises tile i from the other into its ring buffer (e4m3 to fp32, times the
 group's power of two, to bf16: exact), fences those plain stores for the consumers'
 wgmma and signals the tile; the consumers run the bf16 code unchanged. Staging takes the
-shared memory of a fourth ring buffer, so FP8 runs three. H200, rows at 9b970d6: 269.3 us
-at B 128 / S_q 2 and 77.4 at B 64 / S_q 1 (the MMA kernel's FP8 path: 317.1 / 96.8;
-bf16 here with three buffers: 214.8 / 67.3, with four: 190.4 / 61.6). Measured slower
+shared memory of a fourth ring buffer, so FP8 runs three. H200, rows at e167caf: 262.2 us
+at B 128 / S_q 2 and 78.0 at B 64 / S_q 1 (the MMA kernel's FP8 path, rows at 9b970d6:
+317.1 / 96.8; bf16 here with three buffers: 207.6 / 67.7, with four: 181.6 / 61.5).
+Why FP8 is not faster than bf16 here, and 1.4x is out of this design's reach: at 64 heads
+a 584-byte FP8 row carries 2 x 64 x 1024 FLOPs, 224 FLOP a byte, above the H200's
+measured ridge (713 TFLOP/s over 4.24 TB/s: 168), so FP8 decode is bound by the bf16
+tensor cores (roofline 96.4 us at B 128 / S_q 2, against bf16's 118.7 us of bytes). 1.4x
+bf16's 181.6 us is 129.7 us: the consumers would have to run their [64 x 32] MMAs at 74%
+of the dense-GEMM peak while the producer dequantises, where the bf16 kernel reaches 53%.
+Scores in FP8 (e4m3 wgmma, twice the rate) would lift that bound but round q to e4m3,
+a change of numerics, not of speed. Measured slower
 and reverted (rows withdrawn from newest-first readers, data/results/withdrawn.json): a
 third staging slot paid for with one P buffer a side (281.4 / 82.8, 250b8c8); a tile's
 e4m3 bytes staged by one [32, 512] copy instead of seven group copies (472.8 / 106.0,
@@ -67,6 +77,18 @@ buffer, six a tile, but 512-byte staged rows put the conversion's reads of four 
 one shared-memory bank). Offline only: the raw rows held in the producer's registers
 instead of staged (a fourth ring buffer) spilled 1.4-2 KB at 72-104 registers (byte
 tensors take a register a byte).
+
+Where a program's time goes at B 64 / S_q 1 / topk 2048 (two split-KV ranges, 128
+programs; %globaltimer read at marked points of the kernel on the H200, median over the
+programs of five calls at e167caf; a one-off reading, not a recorded row): the first tile
+is ready 5.6 us after the program starts (128 programs load Q's 8 MB at once, and the
+first gather waits behind it; loading tile 0's indices before Q and moving the -1 trim off
+the kernel's top changed nothing: rows at ee7fead, reverted), the 32 tiles take 1.27 us
+each (40.7 us), the epilogue (normalise, store the fp32 partials) 3.8 us, and the slowest
+program ends ~3 us after the median; then the combine kernel, ~4.9 us. At B 128 / S_q 1
+(no split, 64 tiles a program) the same reading gives 7.2 us, 1.28 us a tile, 3.1 us.
+Reaching 60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needs those ~17 us
+of fixed cost roughly halved, or the tiles faster.
 
 Scope: bf16 (or fp16) q and KV cache, or bf16 q and the FP8 cache, H = 64 heads (one
 block), D = d_v = 512, on capability 9.x and 10.x with Triton's Gluon; everything else
@@ -122,11 +144,13 @@ def _store_rows(ptr, rows, v, W: gl.constexpr):
 
     Straight from the accumulator layout a thread holds 2 consecutive columns, so a warp's
     bf16 store writes 8 rows x 16 bytes, half of each 32-byte sector it touches. Converted
-    first, a store writes 8 rows x 64 bytes. H200, rows without split-KV: 189.4 -> 181.2 us
-    at B 128 / S_q 2 (FP8 271.0 -> 263.4), 100.9 -> 96.1 at B 128 / S_q 1 (exp/probe2 at
-    1312a5d, by the benchmark's method). The fp32 split partials are stored as they are:
-    a thread's 2 columns already fill 32-byte sectors there, and converting them cost
-    4.4 us at B 64 / S_q 1 (the conversion's rounds through shared memory)."""
+    first, a store writes 8 rows x 64 bytes. H200, `dsv4lab bench sparse_mla` rows at
+    e167caf against 9b970d6, shapes without split-KV: 190.6 -> 181.6 us at B 128 / S_q 2
+    (FP8 268.8 -> 262.2), 101.9 -> 96.6 at B 128 / S_q 1, 83.4 -> 74.2 at B 128 / S_q 2 /
+    topk 640. The fp32 split partials are stored as they are: a thread's 2 columns already
+    fill 32-byte sectors there, and converting them made B 64 / S_q 1 4.4 us slower (an
+    A/B on the H200 before e167caf, not a recorded row: the conversion's rounds through
+    shared memory)."""
     st: gl.constexpr = _row_store_layout()
     v = gl.convert_layout(v, st)
     r = gl.convert_layout(rows, gl.SliceLayout(1, st))
