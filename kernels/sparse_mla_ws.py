@@ -210,15 +210,35 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
         if W == 0:
             gl.store(lpart_ptr + prow + h, lse2)
     else:
-        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
-        gl.store(lpart_ptr + 2 * prow + W * HEADS + h, lse2)       # [query, split, half, head]
-        gl.thread_barrier()
+        # counters of query q: [4 q + W] arrivals at half W (2 a call), [4 q + 2 + W] the
+        # first arriver's "my half is stored" (1 a call); neither is ever reset
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])   # an element a thread
         i = gl.arange(0, 128, layout=one)
-        counter = cnt_ptr + 2 * (orow // HEADS) + W + 0 * i
-        old = gl.atomic_add(counter, gl.full([128], 1, gl.int32, one), mask=i == 0,
+        lead = i == 0
+        q_cnt = cnt_ptr + 4 * (orow // HEADS) + 0 * i
+        old = gl.atomic_add(q_cnt + W, gl.full([128], 1, gl.int32, one), mask=lead,
                             sem="acq_rel", scope="gpu")
-        if (gl.max(gl.where(i == 0, old, 0), axis=0) & 1) == 1:
+        old = gl.max(gl.where(lead, old, 0), axis=0)
+        if (old & 1) == 0:
+            # first of the pair at this half: ship it and signal; the other program writes
+            gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+            gl.store(lpart_ptr + 2 * prow + W * HEADS + h, lse2)   # [query, split, half, head]
+            gl.thread_barrier()
+            gl.atomic_add(q_cnt + 2 + W, gl.full([128], 1, gl.int32, one), mask=lead,
+                          sem="release", scope="gpu")
+        else:
+            # second: wait for the first's half (it is running: it has counted itself in),
+            # read it back, merge, write the output. The bound only turns a broken counter
+            # into a wrong answer the tests catch instead of a hang.
+            want = old // 2 + 1
+            seen = want - 1
+            spins = 0
+            while (seen < want) & (spins < 1 << 24):
+                v = gl.atomic_add(q_cnt + 2 + W, gl.full([128], 0, gl.int32, one), mask=lead,
+                                  sem="acquire", scope="gpu")
+                seen = gl.max(gl.where(lead, v, 0), axis=0)
+                spins += 1
+            gl.thread_barrier()
             sp = prow // HEADS - 2 * (orow // HEADS)
             other = prow + (1 - 2 * sp) * HEADS
             o2 = gl.load(opart_ptr + (other + h)[:, None] * DIM + c[None, :], cache_modifier=".cg")
@@ -750,7 +770,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     split = 0 if splits == 1 else 2 if (splits == 2 and merge_pair) else 1
     # the counters only when the pair merges itself; otherwise any int32 pointer stands in
     # (never read), so the default path neither looks up nor allocates them
-    cnt = _pair_counters(dev, 2 * B * S_q) if split == 2 else indices
+    cnt = _pair_counters(dev, 4 * B * S_q) if split == 2 else indices
     if split:
         opart = torch.empty(B * S_q * splits * H * D, dtype=torch.float32, device=dev)
         # split 2: an lse copy per consumer (each merges its own half)
