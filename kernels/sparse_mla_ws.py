@@ -181,20 +181,22 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
               has_sink, split, W: gl.constexpr):
     """This consumer's half of each output row (lse from consumer 0). ``split`` 0: the
     output, with the sink. 1: the split partial (normalised output, base-2 lse) for the MMA
-    kernel's combine. 2 (two splits): the pair merges itself. Each consumer stores its
-    partial and lse, then counts itself in on its (query, half) counter with one acq_rel
-    atomic at GPU scope (after a barrier of its warp group, so the release covers every
-    thread's stores); the second to arrive (odd count before: the counters only ever grow
-    by 2 a call, so they are never reset) reads the other split's partial back and writes
-    the merged half. No partial is read by a second kernel, and no combine launch.
+    kernel's combine. 2 (two splits): the pair merges itself, no combine launch. At each
+    half W the two programs count themselves in on their query's counter (one acq_rel
+    atomic at GPU scope; the counters grow by 2 a call and are never reset, so an even
+    count before means first). The first stores its partial half and lse, then (after a
+    barrier of its warp group, so the release covers every thread's stores) bumps a second
+    counter; the second waits for that bump, reads the partial back (L2), merges it with its
+    own and writes the output half. Only a program that has already counted itself in is
+    waited for, so nothing waits on a program not yet started.
 
-    Measured slower (H200, B 64 / S_q 1 / topk 2048, rows at eae6a6d): 64.4 us against
-    62.7 with the combine kernel. The merge sits on every program's critical path after its
-    loop:
-    the release drains the 128 KB partial's stores, then one atomic round trip, then the
-    other partial is read in the accumulator's layout (8-byte loads, 128 a thread), while
-    the combine kernel's 4096 programs read whole rows in parallel. Hence a variant
-    (``merge_pair``; Config.merge_pair, variant ws_ss_n32_b4_merge), not the default."""
+    H200, B 64 / S_q 1 / topk 2048: 61.1 us against 61.5 with the combine kernel (B 32 /
+    S_q 2: 60.0 against 61.0; B 48 / S_q 1: 57.8 against 57.4; an A/B at 7b719d9 by the
+    benchmark's method, and the variant's rows). The combine kernel's 4.9 us mostly comes
+    back as the merge on the critical path (the first's stores drained, an atomic round
+    trip, the partial read back), hence a variant (``merge_pair``; Config.merge_pair,
+    variant ws_ss_n32_b4_merge), not the default. (Before 7b719d9 both programs stored their
+    partials and the last to count itself in merged: 63.4 us, rows at e167caf.)"""
     o_layout: gl.constexpr = acc.type.layout
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
