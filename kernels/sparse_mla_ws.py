@@ -190,10 +190,10 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
     own and writes the output half. Only a program that has already counted itself in is
     waited for, so nothing waits on a program not yet started.
 
-    H200, B 64 / S_q 1 / topk 2048: 61.1 us against 61.5 with the combine kernel (B 32 /
-    S_q 2: 60.0 against 61.0; B 48 / S_q 1: 57.8 against 57.4; an A/B at 7b719d9 by the
-    benchmark's method, and the variant's rows). The combine kernel's 4.9 us mostly comes
-    back as the merge on the critical path (the first's stores drained, an atomic round
+    H200, B 64 / S_q 1 / topk 2048, rows at 69834a0: 62.3 us against 61.4 with the combine
+    kernel (an A/B printout at 7b719d9 by the benchmark's method had it 0.4 us faster there,
+    1.0 faster at B 32 / S_q 2 and 0.4 slower at B 48 / S_q 1: within a microsecond either
+    way). The combine kernel's 4.9 us mostly comes back as the merge on the critical path (the first's stores drained, an atomic round
     trip, the partial read back), hence a variant (``merge_pair``; Config.merge_pair,
     variant ws_ss_n32_b4_merge), not the default. (Before 7b719d9 both programs stored their
     partials and the last to count itself in merged: 63.4 us, rows at e167caf.)"""
