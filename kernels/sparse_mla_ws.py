@@ -95,6 +95,8 @@ block), D = d_v = 512, on capability 9.x and 10.x with Triton's Gluon; everythin
 (the interpreter, sm_80, sm_120, fp16 q with FP8, other shapes) runs
 kernels/sparse_mla_mma.py. Explained in notebooks/02_mma_attention.ipynb.
 """
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -109,6 +111,26 @@ FP8_ROW_BYTES = 584           # an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scal
 FP8_ROW = gl.constexpr(FP8_ROW_BYTES)
 _FP8_SLOTS = 2                # staging slots of raw FP8 rows (the tile converting, the next)
 FP8_STAGES = gl.constexpr(_FP8_SLOTS)
+# The timeline (scripts/profile_sparse_mla.py --timeline): with DSV4LAB_WS_TIMELINE=1 in the
+# environment when this module is imported, each program reads %globaltimer at the points
+# of TIMELINE_POINTS into a buffer (:func:`timeline`); otherwise the reads compile away.
+TIMELINE = gl.constexpr(os.environ.get("DSV4LAB_WS_TIMELINE", "0") == "1")
+TIMELINE_POINTS = ("program start", "producer start", "first gather issued", "producer done",
+                   "consumer start", "Q ready", "first tile ready", "loop end",
+                   "epilogue end (consumer 0)", "epilogue end (consumer 1)")
+_TIMELINE_SLOTS = 16
+_LAST_TIMELINE: list = []
+
+
+@gluon.jit
+def _stamp(stamps, prog, point: gl.constexpr):
+    """TIMELINE: program ``prog`` records %globaltimer (ns) at ``point``; nothing otherwise."""
+    if TIMELINE:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        i = gl.arange(0, 128, layout=one)
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+        gl.store(stamps.to(gl.pointer_type(gl.int64)) + prog * 16 + point + 0 * i, t, mask=i == 0)
 
 
 @gluon.jit
@@ -298,6 +320,7 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, gather)
     cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
+    _stamp(cnt_ptr, prow // HEADS, 1)
     _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
@@ -312,6 +335,9 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         async_copy.async_copy_global_to_shared(kv_smem.index(buf), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(kv_ready.index(buf))
         mbarrier.arrive(kv_ready.index(buf), count=1)
+        if i == 0:
+            _stamp(cnt_ptr, prow // HEADS, 2)
+    _stamp(cnt_ptr, prow // HEADS, 3)
 
 
 @gluon.jit
@@ -509,7 +535,11 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
     acc = gl.zeros([HEADS, HALF], gl.float32, layout=o_layout)
     s0 = gl.zeros([HEADS, BLOCK_N], gl.float32, layout=s_layout)
+    if W == 0:
+        _stamp(cnt_ptr, prow // HEADS, 4)
     mbarrier.wait(q_bar, 0)
+    if W == 0:
+        _stamp(cnt_ptr, prow // HEADS, 5)
 
     n_pairs = gl.cdiv(gl.cdiv(end - start, BLOCK_N), 2)
     for j in range(n_pairs):
@@ -518,6 +548,9 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         buf = t % NUM_BUF
         valid = _slots(idx_row, start, end, t, BLOCK_N, col_l) >= 0
         mbarrier.wait(kv_ready.index(buf), (t // NUM_BUF) & 1)
+        if W == 0:
+            if j == 0:
+                _stamp(cnt_ptr, prow // HEADS, 6)
         kv = kv_smem.index(buf)
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -567,8 +600,11 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(kv_empty.index(buf), count=1)        # both tiles: both consumers
         mbarrier.arrive(kv_empty.index(buf2), count=1)       # read each (count 2)
+    if W == 0:
+        _stamp(cnt_ptr, prow // HEADS, 7)
     _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
               has_sink, split, W)
+    _stamp(cnt_ptr, prow // HEADS, 8 + W)
 
 
 @gluon.jit
@@ -618,6 +654,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
     # runtime flags.)
     pid = gl.program_id(0)
+    _stamp(cnt_ptr, pid, 0)
     sp = pid % num_splits
     bs = (pid // num_splits).to(gl.int64)
     start = sp * split_rows
@@ -675,6 +712,16 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     else:
         gl.warp_specialize([(_producer, args), (_consumer0, args), (_consumer1, args)],
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+def timeline() -> torch.Tensor:
+    """TIMELINE: the last launch's stamps, int64 ns [programs, len(TIMELINE_POINTS)]
+    (program = query position x splits + split; 0 where a point was not reached, e.g.
+    the seesaw consumers' points in the D-split design)."""
+    if not TIMELINE or not _LAST_TIMELINE:
+        raise RuntimeError("timeline: set DSV4LAB_WS_TIMELINE=1 before importing "
+                           "dsv4lab.kernels.sparse_mla_ws, then launch the kernel")
+    return _LAST_TIMELINE[0].view(-1, _TIMELINE_SLOTS)[:, :len(TIMELINE_POINTS)]
 
 
 SMEM_LIMIT = 227 * 1024      # shared memory a block may use on sm_90 / sm_100
@@ -773,6 +820,11 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     # the counters only when the pair merges itself; otherwise any int32 pointer stands in
     # (never read), so the default path neither looks up nor allocates them
     cnt = _pair_counters(dev, 4 * B * S_q) if split == 2 else indices
+    if TIMELINE:       # the stamps travel in cnt_ptr (the pair's counters are not used then)
+        if split == 2:
+            raise ValueError("merge_pair: the timeline needs cnt_ptr, which the pair's merge uses")
+        cnt = torch.zeros(B * S_q * splits * _TIMELINE_SLOTS, dtype=torch.int64, device=dev)
+        _LAST_TIMELINE[:] = [cnt]
     if split:
         opart = torch.empty(B * S_q * splits * H * D, dtype=torch.float32, device=dev)
         # split 2: an lse copy per consumer (each merges its own half)

@@ -1,6 +1,6 @@
 """Where the MMA sparse-MLA decode kernel's time goes, at the target shapes (GPU only).
 
-    python3 scripts/profile_sparse_mla.py [--quick]
+    python3 scripts/profile_sparse_mla.py [--quick | --timeline]
 
 For each shape it times (CUDA graphs, like ``dsv4lab bench sparse_mla``):
 
@@ -16,17 +16,27 @@ For each shape it times (CUDA graphs, like ``dsv4lab bench sparse_mla``):
 * ``kernel_splitsN``: the default configuration with N split-KV ranges;
 * ``ws_*`` (bf16): the warp-specialised kernel's variants, on the same three index sets.
 
+``--timeline`` records instead, for the default (warp-specialised seesaw) launch at
+B 64 / S_q 1, B 128 / S_q 1 and B 128 / S_q 2 (bf16, topk 2048, L2 flushed before each of
+five calls), when each program passes the points of ``sparse_mla_ws.TIMELINE_POINTS``
+(%globaltimer, read in the kernel built with DSV4LAB_WS_TIMELINE=1): rows ``timeline:
+<point>`` with the median, min and max over programs and calls, in us from the call's
+first program start, and the program's tile count.
+
 Prints a table and records its rows (with their provenance) to
 ``sparse_mla_profile.jsonl`` in the results directory ($DSV4LAB_RESULTS_DIR on the device,
 data/results/ otherwise).
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--timeline" in sys.argv:      # before the kernel module is imported: it reads this once
+    os.environ["DSV4LAB_WS_TIMELINE"] = "1"
 
 import dsv4lab  # noqa: E402,F401
 import torch  # noqa: E402
@@ -72,11 +82,43 @@ def gather_only(kv, idx, splits, rows, block_n, warps, stages):
     return out
 
 
+def timeline_rows(kv, sink, n_rows, dev, g, record, reps=5):
+    """The --timeline rows (see the module docstring)."""
+    from dsv4lab.kernels import sparse_mla_mma as mma
+    from dsv4lab.kernels import sparse_mla_ws as ws
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=dev)
+    for B, S, T in ((64, 1, 2048), (128, 1, 2048), (128, 2, 2048)):
+        shape = f"B{B} S{S} T{T} bf16"
+        q = torch.randn(B, S, H, D, device=dev, generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, n_rows, (B, S, T), device=dev, generator=g, dtype=torch.int32)
+        splits, rows = mma.plan_splits(B * S, T, torch.cuda.get_device_properties(dev).multi_processor_count)
+        mma.sparse_mla_mma(q, kv, idx, sink, D ** -0.5, D)          # compile
+        stamps = []
+        for _ in range(reps):
+            flush.zero_()
+            torch.cuda.synchronize()
+            mma.sparse_mla_mma(q, kv, idx, sink, D ** -0.5, D)
+            torch.cuda.synchronize()
+            stamps.append(ws.timeline().clone())
+        st = torch.stack(stamps).double()                                # [reps, programs, points]
+        start = st[:, :, 0].min(dim=1).values[:, None, None]
+        rel = torch.where(st > 0, (st - start) / 1e3, float("nan"))
+        for k, point in enumerate(ws.TIMELINE_POINTS):
+            v = rel[:, :, k].flatten()
+            v = v[~v.isnan()]
+            if v.numel():
+                record(shape, f"timeline: {point}", v.median().item(),
+                       extra={"us_min": round(v.min().item(), 2), "us_max": round(v.max().item(), 2),
+                              "programs": st.shape[1], "tiles_per_program": -(-rows // 32)})
+
+
 def main():
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="only the kernel rows (no split sweep, bare gathers or index_select)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="only the warp-specialised kernel's per-program timeline rows")
     args = ap.parse_args()
     from dsv4lab import bench, runtime
     from dsv4lab.benchmarks.sparse_mla import traffic
@@ -100,8 +142,8 @@ def main():
     def t(fn):
         return bench.time_graph(fn, warmup_ms=10, rep_ms=30)["ms"] * 1e3
 
-    def record(shape, what, us, nbytes=None):
-        row = {"shape": shape, "what": what, "us": round(us, 2)}
+    def record(shape, what, us, nbytes=None, extra=None):
+        row = {"shape": shape, "what": what, "us": round(us, 2), **(extra or {})}
         if nbytes:
             row["GB_per_s"] = round(nbytes / us / 1e3, 1)
             row["frac_of_roof_bw"] = round(nbytes / (us * 1e-6) / spec.bandwidth, 3)
@@ -109,6 +151,11 @@ def main():
         print(f"{shape:>22} {what:>28} {us:9.1f} us" + (f"  {row['GB_per_s']:8.1f} GB/s {row['frac_of_roof_bw']:.2f}" if nbytes else ""),
               flush=True)
 
+    if args.timeline:
+        timeline_rows(kv, sink, n_rows, dev, g, record)
+        from dsv4lab import results as recorded
+        print(f"recorded {len(results)} rows to {recorded.record('sparse_mla_profile', results)}")
+        return
     for B, S, T, fp8 in ((64, 1, 2048, False), (128, 1, 2048, False), (128, 2, 2048, False),
                          (128, 2, 2048, True), (64, 1, 2048, True)):
         shape = f"B{B} S{S} T{T} {'fp8' if fp8 else 'bf16'}"

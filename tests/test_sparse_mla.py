@@ -6,6 +6,7 @@ DeepSeek-V4 shapes (H 64, D 512, topk 2048, B up to 128) with fresh random data.
 import dsv4lab  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 
 import math
+import os
 
 import pytest
 import torch
@@ -872,3 +873,57 @@ def test_gpu_ws_pair_merge_cuda_graph():
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
         torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+
+
+def test_timeline_plot_and_off_by_default():
+    """The warp-specialised kernel's timeline: off unless asked for at import (the kernel
+    then compiles as without it), and its figure draws each shape's phases from rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from dsv4lab.kernels import sparse_mla_ws
+    from dsv4lab.plots.attention import plot_timeline
+    assert not sparse_mla_ws.TIMELINE
+    with pytest.raises(RuntimeError, match="DSV4LAB_WS_TIMELINE"):
+        sparse_mla_ws.timeline()
+    assert plot_timeline([]).texts                                     # a note, no bars
+    points = {"program start": 0.0, "first tile ready": 5.0, "loop end": 45.0,
+              "epilogue end (consumer 0)": 49.0}
+    rows = [{"shape": "B64 S1 T2048 bf16", "what": f"timeline: {p}", "us": us, "us_max": us + 3.0,
+             "gpu": "H200", "date": "2026-11-30T00:00:00", "commit": "test"} for p, us in points.items()]
+    ax = plot_timeline(rows)
+    spans = sorted((round(b.get_x(), 6), round(b.get_width(), 6)) for b in ax.patches)
+    assert spans == [(0.0, 5.0), (5.0, 40.0), (45.0, 4.0)]
+    (line,) = ax.lines
+    assert list(line.get_xdata()) == [49.0, 52.0]
+
+
+@pytest.mark.gpu
+@WS_GPU
+def test_gpu_timeline_points_in_order():
+    """With DSV4LAB_WS_TIMELINE=1 (a fresh process: the module reads it at import) every
+    program passes its points in order and the output still matches the reference."""
+    import subprocess
+    import sys
+    code = """
+import torch, dsv4lab
+from dsv4lab.kernels import sparse_mla_mma as mma, sparse_mla_ws as ws
+from dsv4lab.ops import sparse_mla_decode
+assert ws.TIMELINE
+g = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(64, 1, 64, 512, device="cuda", generator=g).to(torch.bfloat16)
+kv = torch.randn(8192, 512, device="cuda", generator=g).to(torch.bfloat16)
+idx = torch.randint(-1, 8192, (64, 1, 2048), device="cuda", generator=g, dtype=torch.int32)
+out, lse = mma.sparse_mla_mma(q, kv, idx, None, 512 ** -0.5, 512)
+ref, _ = sparse_mla_decode(q, kv, idx, backend="torch")
+assert (out.float() - ref.float()).abs().max().item() < 3e-2
+st = ws.timeline()
+assert st.shape == (128, len(ws.TIMELINE_POINTS)) and bool((st > 0).all())
+assert bool((st[:, 1:4] >= st[:, 0:3]).all())
+for a, b in [(0, 4), (4, 5), (5, 6), (2, 6), (6, 7), (7, 8)]:
+    assert bool((st[:, b] >= st[:, a]).all()), (a, b)
+print("ok")
+"""
+    env = dict(os.environ, DSV4LAB_WS_TIMELINE="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -138,3 +138,41 @@ def plot_time_split(rows, *, ax=None):
     ax.set_ylabel("us per call")
     ax.legend(fontsize=7, loc="upper left")
     return ax
+
+
+TIMELINE_PHASES = (("program start", "first tile ready", "Q and the first tile arrive", "#ff7f0e"),
+                   ("first tile ready", "loop end", "the tiles", "#1f77b4"),
+                   ("loop end", "epilogue end (consumer 0)", "epilogue (normalise, store)", "#2ca02c"))
+
+
+def plot_timeline(rows, *, ax=None):
+    """One bar per shape from the ``timeline: <point>`` rows of
+    ``results.load("sparse_mla_profile")`` (scripts/profile_sparse_mla.py --timeline): when
+    the median program of the warp-specialised kernel reaches each point, in us from the
+    call's first program start, and (thin line) until its slowest program ends. Returns
+    the axes; prints nothing. Explained in notebooks/02_mma_attention.ipynb."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 2.8))
+    rows = results.latest([r for r in rows if r.get("what", "").startswith("timeline: ")],
+                          ("shape", "what", "gpu"))
+    at = {(r["shape"], r["what"][len("timeline: "):]): r for r in rows}
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: (len(s), s))
+    if not shapes:
+        note(ax, "no recorded timeline rows yet\n(python3 scripts/profile_sparse_mla.py "
+                 "--timeline on a GPU)")
+        return ax
+    for y, shape in enumerate(shapes):
+        for first, last, label, color in TIMELINE_PHASES:
+            a, b = at.get((shape, first)), at.get((shape, last))
+            if a and b:
+                ax.barh(y, b["us"] - a["us"], left=a["us"], color=color, height=0.6,
+                        label=label if y == 0 else None)
+        end = at.get((shape, "epilogue end (consumer 0)"))
+        if end:
+            ax.plot([end["us"], end["us_max"]], [y, y], color="k", lw=1.5,
+                    label="to the slowest program's end" if y == 0 else None)
+    ax.set_yticks(range(len(shapes)))
+    ax.set_yticklabels(shapes, fontsize=8)
+    ax.set_xlabel("us from the call's first program start (median program)")
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
