@@ -149,7 +149,7 @@ def plot_timeline(rows, *, ax=None):
     """One bar per shape from the ``timeline: <point>`` rows of
     ``results.load("sparse_mla_profile")`` (scripts/profile_sparse_mla.py --timeline): when
     the median program of the warp-specialised kernel reaches each point, in us from the
-    call's first program start, and (thin line) until its slowest program ends. Returns
+    call's first program start, and (thin line) until the last program ends. Returns
     the axes; prints nothing. Explained in notebooks/02_mma_attention.ipynb."""
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 2.8))
@@ -170,7 +170,7 @@ def plot_timeline(rows, *, ax=None):
         end = at.get((shape, "epilogue end (consumer 0)"))
         if end:
             ax.plot([end["us"], end["us_max"]], [y, y], color="k", lw=1.5,
-                    label="to the slowest program's end" if y == 0 else None)
+                    label="to the last program's end" if y == 0 else None)
     ax.set_yticks(range(len(shapes)))
     ax.set_yticklabels(shapes, fontsize=8)
     ax.set_xlabel("us from the call's first program start (median program)")
