@@ -78,17 +78,21 @@ one shared-memory bank). Offline only: the raw rows held in the producer's regis
 instead of staged (a fourth ring buffer) spilled 1.4-2 KB at 72-104 registers (byte
 tensors take a register a byte).
 
-Where a program's time goes at B 64 / S_q 1 / topk 2048 (two split-KV ranges, 128
-programs; %globaltimer read at marked points of the kernel on the H200, median over the
-programs of five calls at e167caf; a one-off reading, not a recorded row): the first tile
-is ready 5.6 us after the program starts (128 programs load Q's 8 MB at once, and the
+Where a program's time goes (the timeline: DSV4LAB_WS_TIMELINE=1, see TIMELINE_POINTS;
+scripts/profile_sparse_mla.py --timeline, rows at 2878c6b; median program, five calls).
+At B 64 / S_q 1 / topk 2048 (two split-KV ranges, 128 programs) the first tile is ready
+5.6 us after the call's first program starts (128 programs load Q's 8 MB at once, and the
 first gather waits behind it; loading tile 0's indices before Q and moving the -1 trim off
-the kernel's top changed nothing: rows at ee7fead, reverted), the 32 tiles take 1.27 us
-each (40.7 us), the epilogue (normalise, store the fp32 partials) 3.8 us, and the slowest
-program ends ~3 us after the median; then the combine kernel, ~4.9 us. At B 128 / S_q 1
-(no split, 64 tiles a program) the same reading gives 7.2 us, 1.28 us a tile, 3.1 us.
-Reaching 60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needs those ~17 us
-of fixed cost roughly halved, or the tiles faster.
+the kernel's top changed nothing: rows at ee7fead, reverted), the 32 tiles take 1.25 us
+each (40.0 us), the epilogue (normalise, store the fp32 partials) 3.8 us, and the last
+program ends 2.6 us after the median; then the combine kernel (~5 us in a torch profiler
+reading). At B 128 / S_q 1 (no split, 64 tiles): 6.4 us, 1.25 us a tile, 3.1 us. Reaching
+60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needs that fixed cost roughly
+halved, or the tiles faster. By arithmetic (not measured): each wgmma of a tile's scores
+(M 64, N 32, K 16) reads 3 KB of shared memory (Q's 2 KB, K's 1 KB) for 32K multiply-adds,
+24 clocks at 128 bytes a clock against the tensor cores' 16, so the scores wait on shared
+memory; 64-row units (4 KB for 64K) would balance them, but the seesaw's ring of three
+such units does not fit beside Q.
 
 Scope: bf16 (or fp16) q and KV cache, or bf16 q and the FP8 cache, H = 64 heads (one
 block), D = d_v = 512, on capability 9.x and 10.x with Triton's Gluon; everything else
