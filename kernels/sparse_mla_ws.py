@@ -806,15 +806,13 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel."""
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    if fp8 and (block_n != 32 or smem_bytes(block_n, num_buf, seesaw, True) > SMEM_LIMIT):
-        # Q 64 KB + the ring + the exchange + two staging slots of raw rows (36 KB)
-        raise ValueError(f"block_n / num_buf: the FP8 cache takes 32-row tiles in at most 3 ring "
-                         f"buffers (shared memory: {smem_bytes(block_n, num_buf, seesaw, True)} of "
-                         f"{SMEM_LIMIT} bytes needed); got block_n={block_n}, num_buf={num_buf}")
-    if smem_bytes(block_n, num_buf, seesaw, False) > SMEM_LIMIT:
-        raise ValueError(f"block_n / num_buf: {num_buf} ring buffers of {block_n} rows need "
-                         f"{smem_bytes(block_n, num_buf, seesaw, False)} bytes of shared memory, "
-                         f"more than the {SMEM_LIMIT} a block may use")
+    need = smem_bytes(block_n, num_buf, seesaw, fp8)
+    if (fp8 and block_n != 32) or need > SMEM_LIMIT:
+        # Q 64 KB + the ring + the exchange (+ FP8: two staging slots of raw rows, 36 KB)
+        rule = "the FP8 cache takes 32-row tiles in at most 3 ring buffers; " if fp8 else ""
+        raise ValueError(f"block_n / num_buf: {rule}{num_buf} ring buffers of {block_n} rows need "
+                         f"{need} bytes of shared memory, at most {SMEM_LIMIT} fit; got "
+                         f"block_n={block_n}, num_buf={num_buf}")
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device

@@ -86,12 +86,13 @@ def timeline_rows(kv, sink, n_rows, dev, g, record, reps=5):
     """The --timeline rows (see the module docstring)."""
     from dsv4lab.kernels import sparse_mla_mma as mma
     from dsv4lab.kernels import sparse_mla_ws as ws
+    from dsv4lab.kernels.device import sm_count
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=dev)
     for B, S, T in ((64, 1, 2048), (128, 1, 2048), (128, 2, 2048)):
         shape = f"B{B} S{S} T{T} bf16"
         q = torch.randn(B, S, H, D, device=dev, generator=g).to(torch.bfloat16)
         idx = torch.randint(0, n_rows, (B, S, T), device=dev, generator=g, dtype=torch.int32)
-        splits, rows = mma.plan_splits(B * S, T, torch.cuda.get_device_properties(dev).multi_processor_count)
+        splits, rows = mma.plan_splits(B * S, T, sm_count(dev, cpu=8))
         mma.sparse_mla_mma(q, kv, idx, sink, D ** -0.5, D)          # compile
         stamps = []
         for _ in range(reps):
