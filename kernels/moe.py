@@ -674,7 +674,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
 
 @triton.jit
 def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
-               HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, PLANES: tl.constexpr = 2):
+               HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, PLANES: tl.constexpr = 2,
+               SEG: tl.constexpr = False):
     """``act = silu(min(g, L)) * clamp(u, -L, L)`` to row ``rows`` of act: fp32 in natural
     column order, or (XPRE) as the down projection's pre-split fp16 operand: times 2**-8,
     column n in plane n % PLANES at n // PLANES (PLANES 2: even columns in [0, I/2), odd ones
@@ -683,7 +684,11 @@ def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_lim
         gate = tl.minimum(gate, swiglu_limit)
         up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    if XPRE:
+    if SEG:            # kernels/moe_mma2.py's order: per 128 columns, the even ones then the odd
+        col = (offs_n // 128) * 128 + (offs_n % 2) * 64 + (offs_n % 128) // 2
+        tl.store(act_ptr + rows[:, None] * stride_act + col[None, :],
+                 (act * 0.00390625).to(tl.float16), mask=omask)
+    elif XPRE:
         col = (offs_n % PLANES) * (I // PLANES) + offs_n // PLANES
         tl.store(act_ptr + rows[:, None] * stride_act + col[None, :],
                  (act * 0.00390625).to(tl.float16), mask=omask)
@@ -695,7 +700,8 @@ def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_lim
 def _moe_swiglu_kernel(part_ptr, act_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
                        I, stride_part, stride_prow, stride_act, swiglu_limit,
                        HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, SPLIT: tl.constexpr,
-                       BM: tl.constexpr, BI: tl.constexpr, PLANES: tl.constexpr = 2):
+                       BM: tl.constexpr, BI: tl.constexpr, PLANES: tl.constexpr = 2,
+                       SEG: tl.constexpr = False):
     """SPLIT1 > 1: sum the gate/up split-K partials [SPLIT, P, 2I] of one block's rows and
     write act (only rows a block owns were written: pairs with expert -1 are skipped)."""
     b = tl.program_id(0)
@@ -713,7 +719,7 @@ def _moe_swiglu_kernel(part_ptr, act_ptr, block_expert_ptr, block_start_ptr, blo
         gate += tl.load(src + s * stride_part, mask=omask, other=0.0)
         up += tl.load(src + s * stride_part + I, mask=omask, other=0.0)
     _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
-               HAS_LIMIT, XPRE, PLANES)
+               HAS_LIMIT, XPRE, PLANES, SEG)
 
 
 @triton.jit
@@ -853,25 +859,31 @@ def _fold_combine(ypair_ptr, ids_ptr, out_ptr, sem_ptr, sorted_pair_ptr, start, 
 
 @triton.jit
 def _moe_xpre_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr,
-                     PLANES: tl.constexpr = 2):
+                     PLANES: tl.constexpr = 2, SEG: tl.constexpr = False):
     """XPRE: row t of x -> fp16 ``x * 2**-8`` with column c in plane c % PLANES at c // PLANES
     of row t of xk (PLANES 2: even columns in ``[0, H/2)``, odd ones in ``[H/2, H)``; 4 for
     W16; HP = H / PLANES). One launch; the fp32 product is exact, one round to nearest even
-    to fp16: the rounding the strided path applies in _mac."""
+    to fp16: the rounding the strided path applies in _mac. SEG (PLANES 2): the planes per
+    128-column segment instead (kernels/moe_mma2.py's order)."""
     _xpre_body(x_ptr, xk_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), HP, stride_x,
-               stride_xk, BH, PLANES)
+               stride_xk, BH, PLANES, SEG)
 
 
 @triton.jit
 def _xpre_body(x_ptr, xk_ptr, t, pb, HP, stride_x, stride_xk, BH: tl.constexpr,
-               PLANES: tl.constexpr = 2):
+               PLANES: tl.constexpr = 2, SEG: tl.constexpr = False):
     offs = pb * BH + tl.arange(0, BH)
     m = offs < HP
     src = x_ptr + t * stride_x + PLANES * offs
-    dst = xk_ptr + t * stride_xk + offs
+    if SEG:
+        dst = xk_ptr + t * stride_xk + (offs // 64) * 128 + offs % 64
+        plane = 64
+    else:
+        dst = xk_ptr + t * stride_xk + offs
+        plane = HP
     for r in tl.static_range(PLANES):
         xr = tl.load(src + r, mask=m, other=0.0).to(tl.float32) * 0.00390625
-        tl.store(dst + r * HP, xr.to(tl.float16), mask=m)
+        tl.store(dst + r * plane, xr.to(tl.float16), mask=m)
 
 
 @triton.jit
@@ -978,7 +990,8 @@ _DOT16 = dict(BM=16, BK1=256, BK2=256, USE_DOT=True, num_warps=4, num_stages=3)
 # ``triton_plain`` reference row (a config given to fused_moe overrides config_for's entries,
 # so a variant built on PLAIN does not inherit the promoted switches below).
 PLAIN = dict(_DOT16, BN1=64, BN2=64, SPLIT1=1, SPLIT2=1, SWAP_AB=False, DECODE32=False,
-             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None, FOLD=False, W16=False)
+             FASTDEC=False, XPRE=False, ROWMAX=False, MAXNREG=None, FOLD=False, W16=False,
+             MMA2=None)
 _FX = dict(_DOT16, BN1=64, BN2=64, FASTDEC=True, XPRE=True, SPLIT1=1, SPLIT2=1)
 _FX128 = dict(_FX, BK1=128, BK2=128)
 _FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
@@ -991,17 +1004,25 @@ _FX128_S2 = dict(_FX128, SPLIT1=2, SPLIT2=2)
 # (`dsv4lab bench moe`, data/results/moe.jsonl at 29d0355 and 10c5467, 160 experts hit): the
 # promoted default 1028.5 / 1029.0 us against 1050.0 us for triton_fd_xpre_bk128 (_FX128).
 _FX128_RM = dict(_FX128, BN2=128, BK2=256, ROWMAX=True)
+# MMA2 (session 8): on a GPU (sm_80+, not the interpreter) the GEMMs run as
+# kernels/moe_mma2.py's Gluon kernels with these launch parameters (its fused_moe's keywords);
+# elsewhere the Triton entries of the same row run. H200, scripts/tune-style sweep printed by
+# a probe (not a recorded row; the recorded evidence is `dsv4lab bench moe`), 160 experts hit
+# at T = 64, CUDA-graph medians in one process: MXFP4 963.5 us against 1069.2 us for _FX128_RM,
+# NVFP4 999.5 against 1036.2 for _FX. At T = 1 the same kernels were slower (71.3 against
+# 67.6 us at their best): the small-T rows keep the Triton kernels.
+_MMA2_T64 = dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2)
 CONFIGS = [
     (1.0, dict(mxfp4=_FX128_S2, nvfp4=_FX128_S2)),             # T=1, T=8
-    (2.0, dict(mxfp4=_FX128_RM, nvfp4=_FX)),                   # T=64
+    (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64
     (16.0, dict(mxfp4=_FX128, nvfp4=_FX)),                     # T=256
     (float("inf"), {f: dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
                             num_warps=4, num_stages=3) for f in ("mxfp4", "nvfp4")}),
 ]
 
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
-               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "num_warps",
-               "num_stages")
+               "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "MMA2",
+               "num_warps", "num_stages")
 assert set(PLAIN) == set(CONFIG_KEYS)
 
 
@@ -1046,17 +1067,31 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, config=None):
     """Launch the grouped FP4 MoE. Arguments as ``dsv4lab.ops.fused_moe`` (already checked;
     nvfp4 globals as fp32 [E] tensors on x's device). ``config`` overrides entries of
-    :func:`config_for` (keys :data:`CONFIG_KEYS`). No host synchronisation: CUDA-graph
-    capturable."""
+    :func:`config_for` (keys :data:`CONFIG_KEYS`); a non-empty ``config`` without an
+    ``MMA2`` key runs the Triton kernels (the table's MMA2 entry is dropped). With ``MMA2``
+    set and :func:`dsv4lab.kernels.moe_mma2.supported` true (a GPU of sm_80 or newer, not
+    the interpreter), the GEMMs are kernels/moe_mma2.py's. No host synchronisation:
+    CUDA-graph capturable."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
     cfg = dict(config_for(T, topk, E, fmt), **(config or {}))
+    if config and "MMA2" not in config:   # a caller's Triton tiles are for the Triton kernels
+        cfg["MMA2"] = None
     unknown = set(cfg) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
+    mma2 = cfg.get("MMA2")
+    if mma2 is not None:
+        from dsv4lab.kernels import moe_mma2
+        if not isinstance(mma2, dict) or set(mma2) - set(moe_mma2.LAUNCH_KEYS):
+            raise ValueError(f"config: MMA2 must be None or a dict of {moe_mma2.LAUNCH_KEYS}, got {mma2!r}")
+        if moe_mma2.supported(x, H, I) is None:     # else: this row's Triton entries below
+            return moe_mma2.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                      fmt=fmt, w13_global=w13_global, w2_global=w2_global,
+                                      swiglu_limit=swiglu_limit, **mma2)
     BM, use_dot = int(cfg["BM"]), bool(cfg["USE_DOT"])
     if use_dot and BM < 16:
         raise ValueError(f"config: USE_DOT needs BM >= 16 (tl.dot's smallest M), got BM={BM}")

@@ -911,3 +911,94 @@ def test_kernel_config_passthrough_and_backend_check():
     assert (got - ref).abs().max() <= 3e-3 * ref.abs().max()
     with pytest.raises(ValueError, match="kernel_config applies to the 'triton' backend only"):
         fused_moe(x, w13, s13, w2, s2, ids, w, backend="torch", kernel_config={})
+
+
+# ------------------------------------------------ the Gluon mma.sync GEMMs (moe_mma2) -----
+def test_mma2_selection_and_fallback():
+    # the T = 64 row of the table asks for kernels/moe_mma2.py; off a GPU (or in the
+    # interpreter) supported() says why and fused_moe runs the same row's Triton entries; a
+    # caller's own Triton tiles drop the table's MMA2; a malformed MMA2 entry is refused
+    from dsv4lab.kernels import moe as kmoe, moe_mma2
+    for fmt in ("mxfp4", "nvfp4"):
+        assert kmoe.config_for(64, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T64
+        assert kmoe.config_for(1, 6, 256, fmt).get("MMA2") is None
+    x = torch.randn(3, 128)
+    assert "interpreter" in moe_mma2.supported(x, 128, 128) or "CUDA" in moe_mma2.supported(x, 128, 128)
+    if not torch.cuda.is_available():
+        ex = make_experts(4, 128, 128, "mxfp4", seed=3)
+        g = torch.Generator().manual_seed(3)
+        ids, w = draw_routing(3, 4, 2, "holes", g)
+        args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
+        out = kmoe.fused_moe(*args, fmt="mxfp4", swiglu_limit=10.0,
+                             config=dict(kmoe.PLAIN, BN1=32, BN2=32, BK1=32, BK2=32,
+                                         MMA2=kmoe._MMA2_T64))
+        assert_close(out, run_moe(x, ex, ids, w, "mxfp4", 10.0, "torch"), torch.float32)
+        with pytest.raises(ValueError, match="MMA2 must be None or a dict"):
+            kmoe.fused_moe(*args, fmt="mxfp4", config=dict(MMA2=dict(BLOCK=3)))
+        with pytest.raises(ValueError, match="moe_mma2: .*interpreter|moe_mma2: needs"):
+            moe_mma2.fused_moe(*args, fmt="mxfp4")
+
+
+@pytest.mark.parametrize("H", [128, 384])
+def test_xpre_seg_order(H):
+    # x's copy for moe_mma2: per 128 columns, the 64 even ones then the 64 odd ones, times 2**-8
+    from dsv4lab.kernels import moe as kmoe
+    x = torch.randn(3, H)
+    xk = torch.empty(3, H, dtype=torch.float16)
+    kmoe._moe_xpre_kernel[(3, 1)](x, xk, H // 2, x.stride(0), xk.stride(0), BH=256, PLANES=2, SEG=True)
+    want = (x * 2.0 ** -8).view(3, H // 128, 64, 2).transpose(2, 3).reshape(3, H).to(torch.float16)
+    assert torch.equal(xk, want)
+
+
+@gpu
+@pytest.mark.gpu
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 40), E=st.integers(2, 12), k=st.integers(1, 6),
+       H=st.sampled_from([128, 256, 512]), I=st.sampled_from([128, 384]),
+       fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
+       routing=st.sampled_from(["random", "skewed", "holes"]),
+       launch=st.sampled_from([dict(), dict(SPLIT1=2, SPLIT2=2, NSPS=1, STAGES=3),
+                               dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2),
+                               dict(BN1=128, BN2=128, num_warps=8, STAGES=2)]),
+       seed=st.integers(0, 1000))
+def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
+    # the Gluon GEMMs against the fp32 reference over drawn shapes: tokens past one block of 8
+    # (skewed: every token on one expert), -1 slots, both formats, with and without the clamp,
+    # split-K, several segments a stage, 8 warps
+    from dsv4lab.kernels import moe_mma2
+    k = min(k, E)
+    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.05)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).cuda().to(torch.bfloat16)
+    ids, w = draw_routing(T, E, k, routing, g)
+    ids, w = ids.cuda(), w.cuda()
+    ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
+    out = moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                             fmt=fmt, swiglu_limit=limit, **ex["kw"], **launch)
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    assert_close(out, ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_mma2_default_in_graph(fmt):
+    # the T = 64 default (fused_moe's table picks moe_mma2) at Flash's sizes, 32 experts,
+    # captured in a CUDA graph and replayed on new routing: no host sync, right answers
+    from dsv4lab import bench
+    from dsv4lab.kernels import moe as kmoe
+    T = 64
+    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=77)
+    assert kmoe.config_for(T, 6, 32, fmt)["MMA2"] is not None
+
+    def run():
+        return kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                              fmt=fmt, swiglu_limit=10.0, **kw)
+    assert_close(run(), ref, torch.bfloat16)
+    graph, out = bench.capture_graph(run)
+    new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
+    ids.copy_(new_ids)
+    w.copy_(new_w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch"), torch.bfloat16)

@@ -133,6 +133,13 @@ VARIANTS = [
     ("triton_fd_xpre_w16_bk128_s2", dict(_FX128, SPLIT1=2, SPLIT2=2, W16=True)),
     ("triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256", dict(_FX128, ROWMAX=True, BN2=128, BK2=256,
                                                          W16=True)),
+    # Session 8: the T = 64 default is kernels/moe_mma2.py's Gluon GEMMs (MMA2 in the table);
+    # the Triton kernels' former T = 64 defaults stay as the rows it is compared with
+    # (MXFP4: ROWMAX, BN2 128, BK2 256; NVFP4: FASTDEC + XPRE), and the Gluon GEMMs at their
+    # best T = 1 launch (slower than the Triton kernels there in the session's probe)
+    ("triton_fd_xpre_rm_bk128_bn2_128_bk2_256", dict(_FX128, ROWMAX=True, BN2=128, BK2=256)),
+    ("triton_fd_xpre", dict(_FX)),
+    ("mma2_t1", dict(PLAIN, MMA2=dict(BN1=64, SPLIT1=2, BN2=64, SPLIT2=1, STAGES=3, NSPS=2))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -140,7 +147,9 @@ VARIANT_TOKENS = (1, 64)
 VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128_bn2_128": (64,),
                 "triton_fd_xpre_rm_bk128_bk2_256": (64,), "triton_fd_xpre_rm_bk128_bk2_256_r128": (64,),
                 "triton_fd_xpre_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre_w16_bk128_s2": (1,),
-                "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,)}
+                "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
+                "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
+                "mma2_t1": (1,)}
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")

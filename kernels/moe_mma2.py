@@ -1,0 +1,451 @@
+"""Decode-sized FP4 MoE GEMMs whose weight bytes load straight into the tensor-core operand
+(Gluon, ``mma.sync``: sm_80, sm_90 and sm_120 alike; not under the interpreter).
+
+The idea. At decode the MoE streams FP4 weights, and on a GPU the cost of a weight byte
+is the instructions that turn it into tensor-core input. The Triton kernel of
+:mod:`dsv4lab.kernels.moe` spends ~9 SASS instructions a byte on sm_90, ~2 of them
+register moves that rebuild x's fragments for every HMMA: Triton picks the operand
+layouts, and the byte-sourced operand forces a layout (kWidth 4) the fp16 x operand has to
+be shuffled into. Here the layouts are chosen by hand, so that nothing moves:
+
+- the weights are the B operand of ``mma.sync.m16n8k16`` (N: weight rows; M: the block's
+  tokens, padded to 16), in the kWidth-2 layout, where lane ``(g, t)`` (g = lane // 4,
+  t = lane % 4) holds, for its row g, the operand columns ``k' = 16 s + 8 c + 2 t + a``
+  (s < 4, c < 2, a < 2) of a 64-column step;
+- a weight row's 64-byte segment (128 FP4 elements) is read so that lane t holds bytes
+  ``16 t .. 16 t + 15``: one 16-byte load, and, for MXFP4, exactly one 32-element scale
+  block; byte ``16 t + 4 s + 2 c + a`` is taken as operand column ``k'`` above. That is a
+  permutation of the K axis (sigma), which costs nothing if x is permuted alike: the
+  operand built from the low nibbles pairs with x's even elements, the one from the high
+  nibbles with the odd ones, each in sigma's order. The launcher's copy of x (and the
+  gate/up epilogue's activations) is written in that order: per 128-element segment, the
+  64 even elements then the 64 odd ones (``seg_order``); the A operand's lanes then read
+  16 consecutive fp16 a row, again without moves;
+- the byte -> operand correspondence is a reshape and a permute of the loaded tile, which
+  Gluon checks is free (``convert_layout(..., assert_trivial=True)`` fails at compile time
+  otherwise);
+- weights, scales and x stream through a ring of ``STAGES`` shared-memory buffers by
+  ``cp.async`` (Ampere's, portable); every lane reads back exactly the bytes it copied, so
+  the ring needs no barrier; x's buffers are XOR-swizzled so that the eight rows of a
+  read land in different banks.
+
+The decode and the scales are those of :mod:`dsv4lab.kernels.moe` (FASTDEC's packed PTX;
+MXFP4's scale split with the row's largest scale byte over the K slice, as ROWMAX; NVFP4's
+E4M3 scales exact in fp16), so the numbers are the same but for the summation order.
+
+Explained in notebooks/04_mxfp4_moe_port.ipynb.
+"""
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
+BM = gl.constexpr(8)           # tokens a block (mma's N)
+
+
+@gluon.jit
+def _decode(p, mexp, ASM: gl.constexpr):
+    """Packed bytes and their fp16 multipliers (same shape) -> (low, high) nibbles as fp16
+    ``value * 2**-14 * mult``: FASTDEC's asm, 4 bytes a call."""
+    return gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [p, mexp],
+                                     dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+
+@triton.constexpr_function
+def _weight_layout(BN, W, NS, GS):
+    """Packed weight bytes [BN rows, 4 (t), NS, GS]: lane (g, t) holds rows g and g + 8 of
+    its warp's 16 (then 16 W further, per repetition), 16 consecutive bytes each; warp w
+    rows 16 w ... That is the A operand's distribution (kWidth 2) under sigma, up to the
+    order of registers."""
+    reg = [[0, 0, 0, 1 << i] for i in range(GS.bit_length() - 1)]
+    reg += [[0, 0, 1 << i, 0] for i in range(NS.bit_length() - 1)]
+    reg += [[8, 0, 0, 0]]
+    r = 16 * W
+    while r < BN:
+        reg.append([r, 0, 0, 0])
+        r *= 2
+    lanes = [[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]]
+    warps = [[16 << i, 0, 0, 0] for i in range(W.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=warps,
+                                      block_bases=[], shape=[BN, 4, NS, GS])
+
+
+@triton.constexpr_function
+def _copy_layout(BN, W):
+    """The same bytes as :func:`_weight_layout`, as a [BN, 64] tile: each lane copies
+    (cp.async, 16 bytes) exactly the chunks it later reads."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
+    r = 16 * W
+    while r < BN:
+        reg.append([r, 0])
+        r *= 2
+    lanes = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+    warps = [[16 << i, 0] for i in range(W.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=warps,
+                                      block_bases=[], shape=[BN, 64])
+
+
+@gluon.jit
+def _to_a_operand(w, BN: gl.constexpr, A_OP: gl.constexpr):
+    """[BN, 4 (t), NS, GS] decoded weights (lane t's 16 bytes) -> the A operand [BN, 64] in
+    sigma's order: byte 16 t + 4 s + 2 c + a is column 16 s + 8 c + 2 t + a. No data moves."""
+    w = gl.reshape(w, [BN, 4, 4, 2, 2])
+    w = gl.permute(w, [0, 2, 3, 1, 4])
+    return gl.convert_layout(gl.reshape(w, [BN, 64]), A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _to_b_operand(x, B_OP: gl.constexpr):
+    """[BM, 64] fp16 x (lane t's 16 consecutive) -> the B operand [64, BM] in sigma's order."""
+    x = gl.reshape(x, [BM, 4, 4, 2, 2])
+    x = gl.permute(x, [2, 3, 1, 4, 0])
+    return gl.convert_layout(gl.reshape(x, [64, BM]), B_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _mult(sb, smax, IS_NV: gl.constexpr):
+    """Scale bytes -> fp16 multipliers of the decoded weights (MXFP4: ``2**(s - smax + 15)``,
+    exact within 2**24 of the row's largest scale, flushed below 2**-29 of it; NVFP4: the
+    E4M3 value, exactly)."""
+    if IS_NV:
+        b = sb.to(gl.int16)
+        bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+        return bits.to(gl.float16, bitcast=True) * 256.0
+    else:
+        ex = sb.to(gl.int32) - smax + 15
+        return gl.where(ex >= -14, (ex + 15) << 10, 0).to(gl.int16).to(gl.float16, bitcast=True)
+
+
+@gluon.jit
+def _row_smax(s_row, nmask, KS, BN: gl.constexpr, num_warps: gl.constexpr):
+    """The largest MXFP4 scale byte of each row over its K slice (KS bytes from s_row)."""
+    L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    kc = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
+    rows = gl.convert_layout(s_row, gl.SliceLayout(1, L))
+    rm = gl.convert_layout(nmask, gl.SliceLayout(1, L))
+    m = gl.zeros([BN], gl.int32, layout=gl.SliceLayout(1, L))
+    for k0 in range(0, KS, 32):
+        sb = gl.load(rows[:, None] + (k0 + kc)[None, :],
+                     mask=rm[:, None] & ((k0 + kc) < KS)[None, :], other=0)
+        m = gl.maximum(m, gl.max(sb.to(gl.int32), axis=1))
+    return m
+
+
+@gluon.jit
+def _issue_mat(w_smem, s_smem, idx, w_rows, s_rows, nm_w, nm_s, k, live,
+               NSC: gl.constexpr, CPW: gl.constexpr, CPS: gl.constexpr):
+    cb = gl.arange(0, SEG_BYTES, layout=gl.SliceLayout(0, CPW))
+    cs = gl.arange(0, NSC, layout=gl.SliceLayout(0, CPS))
+    async_copy.async_copy_global_to_shared(
+        w_smem.index(idx), w_rows[:, None] + (k * SEG_BYTES + cb)[None, :], mask=nm_w[:, None] & live)
+    async_copy.async_copy_global_to_shared(
+        s_smem.index(idx), s_rows[:, None] + (k * NSC + cs)[None, :], mask=nm_s[:, None] & live)
+
+
+@gluon.jit
+def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_rows, xmask, st,
+           nst, NSC: gl.constexpr, CPW: gl.constexpr, CPS: gl.constexpr, CPX: gl.constexpr,
+           NMAT: gl.constexpr, NSPS: gl.constexpr):
+    """cp.async stage st (K-steps st * NSPS ..) of the slice into ring slot ``slot``
+    (nothing when st >= nst): NSPS consecutive 64-byte steps of every row at once, so
+    that a row's bytes reach the memory system as 64 * NSPS contiguous bytes."""
+    live = st < nst
+    cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
+    for j in gl.static_range(NSPS):
+        k = st * NSPS + j
+        _issue_mat(w_smem, s_smem, (slot * NMAT) * NSPS + j, w0, s0, m0w, m0s, k, live, NSC, CPW, CPS)
+        if NMAT == 2:
+            _issue_mat(w_smem, s_smem, (slot * NMAT + 1) * NSPS + j, w1, s1, m1w, m1s, k, live,
+                       NSC, CPW, CPS)
+        for h in gl.static_range(2):
+            async_copy.async_copy_global_to_shared(
+                x_smem.index((slot * NSPS + j) * 2 + h),
+                x_rows[:, None] + (k * 128 + h * 64 + cx)[None, :], mask=xmask[:, None] & live)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _step(acc, xe, xo, w_smem, s_smem, idx, smax, IS_NV: gl.constexpr, BN: gl.constexpr,
+          NS: gl.constexpr, GS: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
+          A_OP: gl.constexpr, ASM: gl.constexpr):
+    """One K-step of one weight matrix from ring buffer ``idx``: decode, scale, two mmas."""
+    p = w_smem.index(idx).reshape([BN, 4, NS, GS]).load(WL)
+    sb = s_smem.index(idx).reshape([BN, 4, NS]).load(SL)
+    mexp, p = gl.broadcast(gl.expand_dims(_mult(sb, smax[:, None, None], IS_NV), 3), p)
+    lo, hi = _decode(p, mexp, ASM)
+    acc = mma_v2(_to_a_operand(lo, BN, A_OP), xe, acc)
+    return mma_v2(_to_a_operand(hi, BN, A_OP), xo, acc)
+
+
+@gluon.jit
+def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
+            IS_NV: gl.constexpr, BN: gl.constexpr, NMAT: gl.constexpr, STAGES: gl.constexpr,
+            NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """sum over the slice's K-steps of w . x^T for one or two (NMAT) weight matrices, given
+    their rows' first weight byte (w*), first scale byte (s*), validity (m*) and MXFP4 row
+    maximum (smax*), [BN] each: (acc0, acc1), [BN, BM] in the mma layout."""
+    W: gl.constexpr = num_warps
+    GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
+    NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
+    NS: gl.constexpr = 16 // GS                        # scales a lane a K-step
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
+                                                  instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    CPW: gl.constexpr = _copy_layout(BN, W)
+    CPS: gl.constexpr = gl.BlockedLayout([1, NSC], [32, 1], [W, 1], [1, 0])
+    CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
+    WL: gl.constexpr = _weight_layout(BN, W, NS, GS)
+    SL: gl.constexpr = gl.SliceLayout(3, WL)
+    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, SL))
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    SWZ: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, SEG_BYTES], PLAIN)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, NSC], PLAIN)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NSPS * 2, BM, 64], SWZ)
+    RW: gl.constexpr = gl.SliceLayout(1, CPW)
+    RS: gl.constexpr = gl.SliceLayout(1, CPS)
+    w0 = gl.convert_layout(w0, RW)
+    w1 = gl.convert_layout(w1, RW)
+    m0w = gl.convert_layout(m0, RW)
+    m1w = gl.convert_layout(m1, RW)
+    s0 = gl.convert_layout(s0, RS)
+    s1 = gl.convert_layout(s1, RS)
+    m0s = gl.convert_layout(m0, RS)
+    m1s = gl.convert_layout(m1, RS)
+    smax0 = gl.convert_layout(smax0, RL)
+    smax1 = gl.convert_layout(smax1, RL)
+    xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
+    xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))
+    nst = nseg // NSPS
+    for st in gl.static_range(STAGES - 1):
+        _issue(w_smem, s_smem, x_smem, st, w0, s0, m0w, m0s, w1, s1, m1w, m1s, xr, xm, st, nst,
+               NSC, CPW, CPS, CPX, NMAT, NSPS)
+    acc0 = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    acc1 = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    for st in range(nst):
+        _issue(w_smem, s_smem, x_smem, (st + STAGES - 1) % STAGES, w0, s0, m0w, m0s, w1, s1,
+               m1w, m1s, xr, xm, st + STAGES - 1, nst, NSC, CPW, CPS, CPX, NMAT, NSPS)
+        async_copy.wait_group(STAGES - 1)
+        slot = st % STAGES
+        for j in gl.static_range(NSPS):
+            xe = _to_b_operand(x_smem.index((slot * NSPS + j) * 2).load(CPX), B_OP)
+            xo = _to_b_operand(x_smem.index((slot * NSPS + j) * 2 + 1).load(CPX), B_OP)
+            acc0 = _step(acc0, xe, xo, w_smem, s_smem, (slot * NMAT) * NSPS + j, smax0, IS_NV, BN,
+                         NS, GS, WL, SL, A_OP, ASM)
+            if NMAT == 2:
+                acc1 = _step(acc1, xe, xo, w_smem, s_smem, (slot * NMAT + 1) * NSPS + j, smax1,
+                             IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
+    async_copy.wait_group(0)
+    return acc0, acc1
+
+
+@gluon.jit
+def _seg_order(n):
+    """Column n of an activation row -> its place in sigma's order (per 128-element segment,
+    the 64 even columns, then the 64 odd ones)."""
+    return (n // 128) * 128 + (n % 2) * 64 + (n % 128) // 2
+
+
+@gluon.jit
+def _block(sorted_pair_ptr, block_start_ptr, block_count_ptr, b, ROWL: gl.constexpr):
+    start = gl.load(block_start_ptr + b)
+    cnt = gl.load(block_count_ptr + b)
+    offs_m = gl.arange(0, BM, layout=ROWL)
+    mmask = offs_m < cnt
+    pair = gl.load(sorted_pair_ptr + start + offs_m, mask=mmask, other=0)
+    return start, offs_m, mmask, pair
+
+
+@gluon.jit
+def _gate_up_kernel(xp_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr, block_expert_ptr,
+                    block_start_ptr, block_count_ptr, out_ptr, I, TOPK, NSEG, stride_xt,
+                    stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_part,
+                    swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                    PARTIAL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                    NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """One program: the block's tokens times BN gate rows and the BN matching up rows over a
+    K slice of NSEG steps (grid: blocks, I / BN, slices). Writes act in sigma's order (fp16
+    times 2**-8, as the down kernel reads it) or, split over K (PARTIAL), fp32 gate and up
+    partials for moe._moe_swiglu_kernel."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 8])
+    COLL: gl.constexpr = gl.SliceLayout(1, MMA)        # weight rows (the mma's M)
+    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
+    b = gl.program_id(0)
+    pn = gl.program_id(1)
+    sp = gl.program_id(2)
+    e = gl.load(block_expert_ptr + b)
+    if e >= 0:
+        start, offs_m, mmask, pair = _block(sorted_pair_ptr, block_start_ptr, block_count_ptr,
+                                            b, gl.SliceLayout(0, MMA))
+        offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
+        nmask = offs_n < I
+        e64 = e.to(gl.int64)
+        row = e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
+        srow = e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
+        wg = w_ptr + row
+        sg = s_ptr + srow
+        su = sg + I * stride_sn
+        x_rows = xp_ptr + (pair // TOPK).to(gl.int64) * stride_xt + sp * NSEG * 128
+        if IS_NV:
+            smax_g = gl.zeros([BN], gl.int32, layout=COLL)
+            smax_u = smax_g
+        else:
+            smax_g = gl.convert_layout(_row_smax(sg, nmask, NSEG * NSC, BN, num_warps), COLL)
+            smax_u = gl.convert_layout(_row_smax(su, nmask, NSEG * NSC, BN, num_warps), COLL)
+        acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wg + I * stride_wn, su, nmask, smax_u,
+                               x_rows, mmask, NSEG, IS_NV, BN, 2, STAGES, NSPS, ASM, num_warps)
+        if IS_NV:
+            f = 4194304.0 * gl.load(gscale_ptr + e)          # 2**22: undo x and nibble offsets
+            gate = acc_g * f
+            up = acc_u * f
+        else:
+            gate = acc_g * ((smax_g + 7) << 23).to(gl.float32, bitcast=True)[:, None]
+            up = acc_u * ((smax_u + 7) << 23).to(gl.float32, bitcast=True)[:, None]
+        rows = (start + offs_m).to(gl.int64)
+        omask = mmask[None, :] & nmask[:, None]
+        if PARTIAL:
+            part = out_ptr + sp.to(gl.int64) * stride_part + rows[None, :] * stride_out + offs_n[:, None]
+            gl.store(part, gate, mask=omask)
+            gl.store(part + I, up, mask=omask)
+        else:
+            if HAS_LIMIT:
+                gate = gl.minimum(gate, swiglu_limit)
+                up = gl.minimum(gl.maximum(up, -swiglu_limit), swiglu_limit)
+            act = gate / (1.0 + gl.exp(-gate)) * up
+            gl.store(out_ptr + rows[None, :] * stride_out + _seg_order(offs_n)[:, None],
+                     (act * 0.00390625).to(gl.float16), mask=omask)
+
+
+@gluon.jit
+def _down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
+                 block_expert_ptr, block_start_ptr, block_count_ptr, ypair_ptr, H, NSEG,
+                 stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y, stride_ys,
+                 IS_NV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                 NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """One program: the block's activations times BN down-projection rows over a K slice;
+    writes each pair's partial row times its routing weight (moe._moe_combine_kernel sums)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, 8])
+    COLL: gl.constexpr = gl.SliceLayout(1, MMA)        # weight rows (the mma's M)
+    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
+    b = gl.program_id(0)
+    pn = gl.program_id(1)
+    sp = gl.program_id(2)
+    e = gl.load(block_expert_ptr + b)
+    if e >= 0:
+        start, offs_m, mmask, pair = _block(sorted_pair_ptr, block_start_ptr, block_count_ptr,
+                                            b, gl.SliceLayout(0, MMA))
+        offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
+        nmask = offs_n < H
+        e64 = e.to(gl.int64)
+        w = w_ptr + e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
+        s = s_ptr + e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
+        a_rows = act_ptr + (start + offs_m).to(gl.int64) * stride_act + sp * NSEG * 128
+        if IS_NV:
+            smax = gl.zeros([BN], gl.int32, layout=COLL)
+        else:
+            smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
+        acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, mmask, NSEG, IS_NV,
+                              BN, 1, STAGES, NSPS, ASM, num_warps)
+        wt = gl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(gl.float32)
+        if IS_NV:
+            y = acc * (4194304.0 * gl.load(gscale_ptr + e)) * wt[None, :]
+        else:
+            y = acc * ((smax + 7) << 23).to(gl.float32, bitcast=True)[:, None] * wt[None, :]
+        gl.store(ypair_ptr + sp.to(gl.int64) * stride_ys + pair.to(gl.int64)[None, :] * stride_y
+                 + offs_n[:, None], y, mask=mmask[None, :] & nmask[:, None])
+
+
+LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps")
+
+
+def supported(x, H: int, I: int) -> str | None:
+    """None if these kernels run here, else why not (a capability check, no launch)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "Gluon kernels do not run in Triton's interpreter"
+    if x.device.type != "cuda":
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "mma.sync with fp16 operands needs sm_80 or newer"
+    if H % 128 or I % 128:
+        return f"hidden and intermediate sizes must be multiples of 128 (got {H}, {I})"
+    return None
+
+
+def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
+              w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
+              SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4):
+    """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
+    grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
+    No host synchronisation."""
+    from dsv4lab.kernels import moe as base
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    topk = topk_ids.shape[1]
+    P = T * topk
+    why = supported(x, H, I)
+    if why is not None:
+        raise ValueError(f"moe_mma2: {why}")
+    for name, v in (("BN1", BN1), ("BN2", BN2)):
+        if v < 16 * num_warps or v & (v - 1):
+            raise ValueError(f"moe_mma2: {name} must be a power of two >= 16 * num_warps "
+                             f"({16 * num_warps}), got {v}")
+    if P == 0:
+        return torch.zeros(T, H, dtype=x.dtype, device=x.device)
+    is_nv = fmt == "nvfp4"
+    dev = x.device
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    if is_nv:
+        w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    ids = topk_ids.contiguous()
+    tw = topk_weights.reshape(-1).contiguous()
+    sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
+    nbm = block_expert.numel()
+    nsps1 = base._pick_split(H // 128, NSPS)
+    nsps2 = base._pick_split(I // 128, NSPS if NSPS2 is None else NSPS2)
+    split1 = base._pick_split(H // 128 // nsps1, SPLIT1)
+    split2 = base._pick_split(I // 128 // nsps2, SPLIT2)
+    xp = torch.empty(T, H, dtype=torch.float16, device=dev)
+    BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+    if T:
+        base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
+                                                           BH=BX, PLANES=2, SEG=True, num_warps=4)
+    act = torch.empty(P, I, dtype=torch.float16, device=dev)
+    part = torch.empty(split1, P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
+    ypair = torch.empty(split2, P, H, dtype=torch.float32, device=dev)
+    g13 = w13_global.contiguous() if is_nv else ypair
+    g2 = w2_global.contiguous() if is_nv else ypair
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+    asm = base.FASTDEC_ASM
+    _gate_up_kernel[(nbm, triton.cdiv(I, BN1), split1)](
+        xp, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
+        I, topk, H // 128 // split1, xp.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), part.stride(-2), part.stride(0) if split1 > 1 else 0,
+        limit, IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, PARTIAL=split1 > 1, BN=BN1,
+        STAGES=STAGES, NSPS=nsps1, ASM=asm, num_warps=num_warps)
+    if split1 > 1:
+        BI = max(16, min(triton.next_power_of_2(I), 4096 // int(BM)))
+        base._moe_swiglu_kernel[(nbm, triton.cdiv(I, BI))](
+            part, act, block_expert, block_start, block_count, I, part.stride(0), part.stride(1),
+            act.stride(0), limit, HAS_LIMIT=swiglu_limit is not None, XPRE=True, SPLIT=split1,
+            BM=int(BM), BI=BI, SEG=True, num_warps=4)
+    _down_kernel[(nbm, triton.cdiv(H, BN2), split2)](
+        act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
+        H, I // 128 // split2, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
+        w2_scale.stride(1), ypair.stride(1), ypair.stride(0), IS_NV=is_nv, BN=BN2,
+        STAGES=STAGES if STAGES2 is None else STAGES2, NSPS=nsps2, ASM=asm, num_warps=num_warps)
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    BH = min(1024, triton.next_power_of_2(H))
+    base._moe_combine_kernel[(T, triton.cdiv(H, BH))](
+        ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
+        TOPK=topk, SPLIT=split2, BH=BH, num_warps=4)
+    return out
