@@ -973,8 +973,9 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
     ids, w = draw_routing(T, E, k, routing, g)
     ids, w = ids.cuda(), w.cuda()
     ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
+    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}  # [E] globals
     out = moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                             fmt=fmt, swiglu_limit=limit, **ex["kw"], **launch)
+                             fmt=fmt, swiglu_limit=limit, **kw, **launch)
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert_close(out, ref, torch.bfloat16)
 
