@@ -1088,7 +1088,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         from dsv4lab.kernels import moe_mma2
         if not isinstance(mma2, dict) or set(mma2) - set(moe_mma2.LAUNCH_KEYS):
             raise ValueError(f"config: MMA2 must be None or a dict of {moe_mma2.LAUNCH_KEYS}, got {mma2!r}")
-        if moe_mma2.supported(x, H, I) is None:     # else: this row's Triton entries below
+        if moe_mma2.supported(x, H, I, (w13, w13_scale, w2, w2_scale)) is None:   # else: Triton
             return moe_mma2.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                       fmt=fmt, w13_global=w13_global, w2_global=w2_global,
                                       swiglu_limit=swiglu_limit, **mma2)

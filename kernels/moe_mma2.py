@@ -365,16 +365,19 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps")
 
 
-def supported(x, H: int, I: int) -> str | None:
-    """None if these kernels run here, else why not (a capability check, no launch)."""
+def supported(x, H: int, I: int, tensors=()) -> str | None:
+    """None if these kernels run here, else why not (a capability check, no launch).
+    ``tensors``: the weights and scales, whose storage must be 16-byte aligned."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "Gluon kernels do not run in Triton's interpreter"
     if x.device.type != "cuda":
         return "needs a CUDA GPU"
     if torch.cuda.get_device_capability(x.device) < (8, 0):
         return "mma.sync with fp16 operands needs sm_80 or newer"
-    if H % 128 or I % 128:
-        return f"hidden and intermediate sizes must be multiples of 128 (got {H}, {I})"
+    if H % 512 or I % 512:   # scale rows (H/32, I/32 bytes) must stay 16-byte aligned for cp.async
+        return f"hidden and intermediate sizes must be multiples of 512 (got {H}, {I})"
+    if any(t.data_ptr() % 16 for t in tensors):
+        return "the weights and scales must start 16-byte aligned"
     return None
 
 
@@ -390,7 +393,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
-    why = supported(x, H, I)
+    why = supported(x, H, I, (w13, w13_scale, w2, w2_scale))
     if why is not None:
         raise ValueError(f"moe_mma2: {why}")
     for name, v in (("BN1", BN1), ("BN2", BN2)):
