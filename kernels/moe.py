@@ -105,6 +105,11 @@ blocks within 2**24 of the step's largest, flushed below 2**-29 of it) and the s
 dot gets ``2**(smax - 128 + 8)`` (fp32, per column). x (and the activations) enter the
 dot as fp16 scaled by 2**-8 (|x| < 1.6e7).
 
+MMA2 (the T = 64 row of :data:`CONFIGS`): on a GPU of sm_80 or newer the two GEMMs run as
+:mod:`dsv4lab.kernels.moe_mma2`'s Gluon ``mma.sync`` kernels, which load the weight bytes
+straight into the tensor-core A operand (no register moves; ~6 SASS instructions a byte);
+the interpreter and any shape they refuse run the Triton kernels below.
+
 Everything runs on sm_80, sm_90 and sm_120 alike (plain loads, integer ops, ``tl.dot``
 on fp16) and in Triton's interpreter; under the interpreter the dot operands are upcast
 to fp32 (a constexpr flag) as the workbook does for every kernel.

@@ -33,6 +33,14 @@ The decode and the scales are those of :mod:`dsv4lab.kernels.moe` (FASTDEC's pac
 MXFP4's scale split with the row's largest scale byte over the K slice, as ROWMAX; NVFP4's
 E4M3 scales exact in fp16), so the numbers are the same but for the summation order.
 
+Measured (H200, `dsv4lab bench moe` rows at 41566e0 and 7cb4e2c): the default at T = 64
+(160 experts hit), MXFP4 915.8 / 915.0 us = 0.551 of the FP4-bytes roofline against 1017.0 /
+1028.8 us for the Triton kernels' former default in the same runs; NVFP4 944.4 / 953.4 us.
+At T = 1 (6 experts) slower than the Triton kernels (70.6 against 67.6 us): there each
+kernel's ramp, not the instructions a byte, sets the time, so the table keeps Triton's.
+Offline sm_90 SASS of the gate/up loop at 128 rows a program: ~6.3 instructions a weight
+byte (decode 4.5, 32 HMMA a 128-byte step), against ~9 for the Triton kernel.
+
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import os
