@@ -200,8 +200,7 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
     NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
     NS: gl.constexpr = 16 // GS                        # scales a lane a K-step
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1],
-                                                  instr_shape=[16, 8])
+    MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     CPW: gl.constexpr = _copy_layout(BN, W)
@@ -269,6 +268,42 @@ def _block(sorted_pair_ptr, block_start_ptr, block_count_ptr, b, ROWL: gl.conste
     return start, offs_m, mmask, pair
 
 
+@triton.constexpr_function
+def _mma_layout(W):
+    """The accumulator [weight rows, tokens]: warps stacked along the weight rows (M)."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+
+
+@gluon.jit
+def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, stride_se,
+                 stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+    """This program's BN rows of expert e's matrix at w_ptr / s_ptr, from its K slice
+    (NSEG steps of slice sp): ``(offs_n, nmask, first weight bytes, first scale bytes,
+    MXFP4 row maxima (0 for NVFP4))``, [BN] each, in the accumulator's row layout."""
+    COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
+    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
+    offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
+    nmask = offs_n < n_rows
+    e64 = e.to(gl.int64)
+    w = w_ptr + e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
+    s = s_ptr + e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
+    if IS_NV:
+        smax = gl.zeros([BN], gl.int32, layout=COLL)
+    else:
+        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
+    return offs_n, nmask, w, s, smax
+
+
+@gluon.jit
+def _undo_scales(acc, smax, gscale_ptr, e, IS_NV: gl.constexpr):
+    """acc [BN, BM] times what the decoded weights and x's 2**-8 still owe: NVFP4, 2**22 times
+    expert e's global scale; MXFP4, ``2**(smax - 120)`` per row (the scale split)."""
+    if IS_NV:
+        return acc * (4194304.0 * gl.load(gscale_ptr + e))
+    else:
+        return acc * ((smax + 7) << 23).to(gl.float32, bitcast=True)[:, None]
+
+
 @gluon.jit
 def _gate_up_kernel(xp_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr, block_expert_ptr,
                     block_start_ptr, block_count_ptr, out_ptr, I, TOPK, NSEG, stride_xt,
@@ -280,41 +315,24 @@ def _gate_up_kernel(xp_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr, block_exp
     K slice of NSEG steps (grid: blocks, I / BN, slices). Writes act in sigma's order (fp16
     times 2**-8, as the down kernel reads it) or, split over K (PARTIAL), fp32 gate and up
     partials for moe._moe_swiglu_kernel."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, 8])
-    COLL: gl.constexpr = gl.SliceLayout(1, MMA)        # weight rows (the mma's M)
-    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     b = gl.program_id(0)
     pn = gl.program_id(1)
     sp = gl.program_id(2)
     e = gl.load(block_expert_ptr + b)
     if e >= 0:
         start, offs_m, mmask, pair = _block(sorted_pair_ptr, block_start_ptr, block_count_ptr,
-                                            b, gl.SliceLayout(0, MMA))
-        offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
-        nmask = offs_n < I
-        e64 = e.to(gl.int64)
-        row = e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
-        srow = e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
-        wg = w_ptr + row
-        sg = s_ptr + srow
-        su = sg + I * stride_sn
+                                            b, gl.SliceLayout(0, _mma_layout(num_warps)))
+        offs_n, nmask, wg, sg, smax_g = _weight_rows(w_ptr, s_ptr, e, pn, sp, I, NSEG, stride_we,
+                                                     stride_wn, stride_se, stride_sn, IS_NV, BN,
+                                                     num_warps)
+        _, _, wu, su, smax_u = _weight_rows(w_ptr + I * stride_wn, s_ptr + I * stride_sn, e, pn,
+                                            sp, I, NSEG, stride_we, stride_wn, stride_se,
+                                            stride_sn, IS_NV, BN, num_warps)
         x_rows = xp_ptr + (pair // TOPK).to(gl.int64) * stride_xt + sp * NSEG * 128
-        if IS_NV:
-            smax_g = gl.zeros([BN], gl.int32, layout=COLL)
-            smax_u = smax_g
-        else:
-            smax_g = gl.convert_layout(_row_smax(sg, nmask, NSEG * NSC, BN, num_warps), COLL)
-            smax_u = gl.convert_layout(_row_smax(su, nmask, NSEG * NSC, BN, num_warps), COLL)
-        acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wg + I * stride_wn, su, nmask, smax_u,
+        acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u,
                                x_rows, mmask, NSEG, IS_NV, BN, 2, STAGES, NSPS, ASM, num_warps)
-        if IS_NV:
-            f = 4194304.0 * gl.load(gscale_ptr + e)          # 2**22: undo x and nibble offsets
-            gate = acc_g * f
-            up = acc_u * f
-        else:
-            gate = acc_g * ((smax_g + 7) << 23).to(gl.float32, bitcast=True)[:, None]
-            up = acc_u * ((smax_u + 7) << 23).to(gl.float32, bitcast=True)[:, None]
+        gate = _undo_scales(acc_g, smax_g, gscale_ptr, e, IS_NV)
+        up = _undo_scales(acc_u, smax_u, gscale_ptr, e, IS_NV)
         rows = (start + offs_m).to(gl.int64)
         omask = mmask[None, :] & nmask[:, None]
         if PARTIAL:
@@ -338,34 +356,21 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
                  NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
     """One program: the block's activations times BN down-projection rows over a K slice;
     writes each pair's partial row times its routing weight (moe._moe_combine_kernel sums)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, 8])
-    COLL: gl.constexpr = gl.SliceLayout(1, MMA)        # weight rows (the mma's M)
-    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     b = gl.program_id(0)
     pn = gl.program_id(1)
     sp = gl.program_id(2)
     e = gl.load(block_expert_ptr + b)
     if e >= 0:
         start, offs_m, mmask, pair = _block(sorted_pair_ptr, block_start_ptr, block_count_ptr,
-                                            b, gl.SliceLayout(0, MMA))
-        offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
-        nmask = offs_n < H
-        e64 = e.to(gl.int64)
-        w = w_ptr + e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
-        s = s_ptr + e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
+                                            b, gl.SliceLayout(0, _mma_layout(num_warps)))
+        offs_n, nmask, w, s, smax = _weight_rows(w_ptr, s_ptr, e, pn, sp, H, NSEG, stride_we,
+                                                 stride_wn, stride_se, stride_sn, IS_NV, BN,
+                                                 num_warps)
         a_rows = act_ptr + (start + offs_m).to(gl.int64) * stride_act + sp * NSEG * 128
-        if IS_NV:
-            smax = gl.zeros([BN], gl.int32, layout=COLL)
-        else:
-            smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
         acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, mmask, NSEG, IS_NV,
                               BN, 1, STAGES, NSPS, ASM, num_warps)
         wt = gl.load(topk_w_ptr + pair, mask=mmask, other=0.0).to(gl.float32)
-        if IS_NV:
-            y = acc * (4194304.0 * gl.load(gscale_ptr + e)) * wt[None, :]
-        else:
-            y = acc * ((smax + 7) << 23).to(gl.float32, bitcast=True)[:, None] * wt[None, :]
+        y = _undo_scales(acc, smax, gscale_ptr, e, IS_NV) * wt[None, :]
         gl.store(ypair_ptr + sp.to(gl.int64) * stride_ys + pair.to(gl.int64)[None, :] * stride_y
                  + offs_n[:, None], y, mask=mmask[None, :] & nmask[:, None])
 
