@@ -5,6 +5,18 @@ median); :func:`time_graph` captures the call in a CUDA graph first, so launch g
 out of decode-sized figures. On the CPU it reports the median wall time and labels it
 "interpreter_wall": those numbers say how slow the interpreter is, nothing about a GPU.
 
+The L2 state before each timed call (the row's ``l2``) is part of the method:
+
+- ``"dirty"`` (the default, and every row recorded before the field existed):
+  ``do_bench``'s own flush, which zero-fills a 256 MB buffer. The L2 ends full of dirty
+  lines, so the timed call's first misses write them back to DRAM: up to an L2's worth
+  of traffic the call did not cause (``dsv4lab bench l2`` measures about 9 us on the H200).
+- ``"clean"``: the same loop, but the flush *reads* a 256 MB buffer, so the call starts
+  with its data out of the L2 and nothing to write back.
+
+``DSV4LAB_L2=clean`` (or ``l2="clean"``) selects the second. The issues' targets were set
+with the first, and :mod:`dsv4lab.targets` judges them on ``"dirty"`` rows only.
+
 A benchmark is a function ``fn(smoke: bool) -> list[dict]`` registered with
 :func:`benchmark`; each row holds the shape parameters, the backend, ``ms``, ``timing``,
 and where it applies ``bytes``, ``flops``, ``roofline_ms`` and ``roofline_fraction``.
@@ -15,6 +27,7 @@ Explained in notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,13 +38,64 @@ import torch
 from dsv4lab import results, roofline, runtime
 
 
+L2_STATES = ("dirty", "clean")
+_FLUSH_BYTES = 256 * 2**20          # do_bench's flush size: several times any L2 in the table
+
+
+def l2_state(l2: str | None = None) -> str:
+    """``l2`` if given, else ``$DSV4LAB_L2``, else ``"dirty"``; checked against :data:`L2_STATES`."""
+    state = l2 if l2 is not None else (os.environ.get("DSV4LAB_L2") or "dirty")
+    if state not in L2_STATES:
+        raise ValueError(f"l2 (or DSV4LAB_L2) must be one of {', '.join(L2_STATES)}, got {state!r}")
+    return state
+
+
+def _median_after_clean_l2(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """``do_bench``'s loop (estimate, warm-up, per-call events, median) with a reading flush."""
+    buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    total = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def flush():
+        torch.sum(buf, 0, dtype=torch.int64, out=total)
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end) / 5
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    n = max(1, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _median_ms(fn: Callable[[], object], warmup_ms: float, rep_ms: float, l2: str) -> float:
+    if l2 == "clean":
+        return _median_after_clean_l2(fn, warmup_ms, rep_ms)
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
 def time_fn(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
-            cpu_reps: int = 3) -> dict:
-    """Median time of ``fn()`` in ms: ``{"ms": ..., "timing": "cuda_events" | "interpreter_wall"}``."""
+            cpu_reps: int = 3, l2: str | None = None) -> dict:
+    """Median time of ``fn()`` in ms: ``{"ms", "timing": "cuda_events" | "interpreter_wall",
+    "l2"}`` (GPU rows; ``l2``: the cache state before each call, see the module docstring)."""
+    l2 = l2_state(l2)
     if runtime.has_cuda():
-        import triton.testing
-        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        return {"ms": float(ms), "timing": "cuda_events"}
+        return {"ms": _median_ms(fn, warmup_ms, rep_ms, l2), "timing": "cuda_events", "l2": l2}
     fn()  # warm-up (and interpreter set-up)
     times = []
     for _ in range(cpu_reps):
@@ -57,14 +121,14 @@ def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, objec
     return graph, out
 
 
-def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
+               l2: str | None = None) -> dict:
     """Like :func:`time_fn`, but replays ``fn`` from a CUDA graph on the GPU."""
+    l2 = l2_state(l2)
     if not runtime.has_cuda():
         return time_fn(fn)
-    import triton.testing
     graph = capture_graph(fn)[0]
-    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    return {"ms": float(ms), "timing": "cuda_graph"}
+    return {"ms": _median_ms(graph.replay, warmup_ms, rep_ms, l2), "timing": "cuda_graph", "l2": l2}
 
 
 def with_roofline(row: dict, *, bytes_moved: float, flops: float, dtype: str = "bf16",

@@ -2,9 +2,9 @@
 
     dsv4lab run [--only 01,02] [--smoke | --full]   execute notebooks headless into build/notebooks/
     dsv4lab report                                  executed notebooks -> build/html/ with an index
-    dsv4lab bench NAME... [--smoke] [--no-record]   run registered benchmarks, record rows
+    dsv4lab bench NAME... [--smoke] [--no-record] [--l2 clean]   run benchmarks, record rows
     dsv4lab env                                     device and versions
-    dsv4lab targets [NAME...]                       the issues' targets, checked against recorded rows
+    dsv4lab targets [NAME...] [--l2 clean]          the issues' targets, checked against recorded rows
     dsv4lab train ...                               train the mini model (see dsv4lab.train)
     dsv4lab lab ...                                 start JupyterLab on the notebooks
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,8 @@ def cmd_bench(args) -> int:
     if unknown:
         print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}", file=sys.stderr)
         return 2
+    if args.l2:
+        os.environ["DSV4LAB_L2"] = args.l2      # read by dsv4lab.bench's timers
     for name in names:
         t0 = time.perf_counter()
         record = not args.no_record and (args.record or not args.smoke)
@@ -141,8 +144,9 @@ def cmd_targets(args) -> int:
         print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(targets.BENCHES)}", file=sys.stderr)
         return 2
     for name in names:
-        print(f"== {name}")
-        print(targets.table(name))
+        print(f"== {name}" + ("" if args.l2 == "dirty" else f" (rows timed after a {args.l2} L2: "
+                                                               "not the method the targets were set with)"))
+        print(targets.table(name, l2=args.l2))
     return 0
 
 
@@ -172,9 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     p.add_argument("--no-record", action="store_true", help="print only; do not append rows")
     p.add_argument("--record", action="store_true", help="also record --smoke rows (not recorded by default)")
+    p.add_argument("--l2", choices=("dirty", "clean"), default=None,
+                   help="L2 state before each timed call (default $DSV4LAB_L2, else dirty); see dsv4lab.bench")
     sub.add_parser("env", help="device and versions")
     p = sub.add_parser("targets", help="the issues' targets, checked against the recorded rows")
     p.add_argument("names", nargs="*", help="benchmarks (default: all)")
+    p.add_argument("--l2", choices=("dirty", "clean"), default="dirty",
+                   help="which rows count: timed after do_bench's zero-fill flush (dirty, the "
+                        "targets' method) or after a reading flush (clean); see dsv4lab.bench")
     sub.add_parser("train", help="train the mini model (dsv4lab train --help)", add_help=False)
     sub.add_parser("lab", help="start JupyterLab on the notebooks (dsv4lab lab --help)", add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -12,9 +12,14 @@ from dsv4lab import results
 BENCHES = ("sparse_mla", "indexer", "moe", "spec", "step")
 
 
-def gpu_rows(bench: str) -> list[dict]:
-    """Recorded full-mode GPU rows of ``bench``, oldest first."""
-    return [r for r in results.load(bench) if not r.get("smoke") and r.get("capability") not in (None, "cpu")]
+def gpu_rows(bench: str, l2: str = "dirty") -> list[dict]:
+    """Recorded full-mode GPU rows of ``bench`` timed after the L2 state ``l2``, oldest first.
+
+    The targets were set with ``do_bench``'s flush (``"dirty"``, also every row recorded
+    before rows carried ``l2``); ``"clean"`` rows (:mod:`dsv4lab.bench`) are a second view,
+    never mixed into the first."""
+    return [r for r in results.load(bench) if not r.get("smoke") and r.get("capability") not in (None, "cpu")
+            and r.get("l2", "dirty") == l2]
 
 
 def _newest(rows: list[dict], **match) -> dict | None:
@@ -127,17 +132,22 @@ def _step(rows):
 _CHECKS = {"sparse_mla": _sparse_mla, "indexer": _indexer, "moe": _moe, "spec": _spec, "step": _step}
 
 
-def check(bench: str, rows: list[dict] | None = None) -> list[dict]:
-    """Per target of ``bench``: target, value, goal, met (None: no recorded row), commit, date."""
+def check(bench: str, rows: list[dict] | None = None, *, l2: str = "dirty") -> list[dict]:
+    """Per target of ``bench``: target, value, goal, met (None: no recorded row), commit, date.
+
+    ``l2`` picks which recorded rows count (see :func:`gpu_rows`); ``"dirty"`` is the
+    method the targets were set with."""
     if bench not in _CHECKS:
         raise ValueError(f"bench must be one of {', '.join(BENCHES)}, got {bench!r}")
-    return _CHECKS[bench](gpu_rows(bench) if rows is None else rows)
+    if l2 not in ("dirty", "clean"):
+        raise ValueError(f"l2 must be 'dirty' or 'clean', got {l2!r}")
+    return _CHECKS[bench](gpu_rows(bench, l2) if rows is None else rows)
 
 
-def table(bench: str, rows: list[dict] | None = None) -> str:
+def table(bench: str, rows: list[dict] | None = None, *, l2: str = "dirty") -> str:
     """The verdicts of :func:`check` as aligned text, for a notebook cell or the terminal."""
     lines = []
-    for v in check(bench, rows):
+    for v in check(bench, rows, l2=l2):
         val = v["value"]
         shown = "no recorded row" if val is None else (f"{val:.3g}" if isinstance(val, float) else str(val))
         verdict = {True: "MET", False: "NOT MET", None: "-"}[v["met"]]

@@ -1,6 +1,7 @@
 """dsv4lab.bench: timing helpers, roofline columns, the benchmark registry."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from dsv4lab import bench, results, roofline, runtime
 
@@ -91,3 +92,59 @@ def test_gpu_timers():
     assert out["timing"] == "cuda_events" and out["ms"] > 0
     out = bench.time_graph(lambda: x @ x)
     assert out["timing"] == "cuda_graph" and out["ms"] > 0
+
+
+def test_l2_state_default_env_and_refusal(monkeypatch):
+    monkeypatch.delenv("DSV4LAB_L2", raising=False)
+    assert bench.l2_state() == "dirty"                 # do_bench's flush: the targets' method
+    monkeypatch.setenv("DSV4LAB_L2", "clean")
+    assert bench.l2_state() == "clean"
+    assert bench.l2_state("dirty") == "dirty"          # an explicit argument wins
+    monkeypatch.setenv("DSV4LAB_L2", "warm")
+    with pytest.raises(ValueError, match="DSV4LAB_L2.*dirty, clean.*'warm'"):
+        bench.l2_state()
+    with pytest.raises(ValueError, match="got 'hot'"):
+        bench.time_fn(lambda: None, l2="hot")            # refused before anything runs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_timers_label_the_l2_state():
+    x = torch.randn(1024, 1024, device="cuda")
+    for state in bench.L2_STATES:
+        out = bench.time_graph(lambda: x @ x, warmup_ms=2, rep_ms=5, l2=state)
+        assert out["l2"] == state and out["timing"] == "cuda_graph" and out["ms"] > 0
+        out = bench.time_fn(lambda: x @ x, warmup_ms=2, rep_ms=5, l2=state)
+        assert out["l2"] == state and out["timing"] == "cuda_events" and out["ms"] > 0
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.sampled_from([0, 1, 3, 2047, 2048, 2049, 5000]), programs=st.sampled_from([1, 3, 4]),
+       block=st.sampled_from([64, 2048]))
+def test_stream_read_reads_every_word(n, programs, block):
+    """The bandwidth yardstick of ``bench l2``: the per-program xors fold to the xor of all words
+    (empty buffer, one word, a block and one, more programs than blocks)."""
+    from dsv4lab.benchmarks.l2 import _xor
+    from kernels.stream_read import stream_read
+    words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(n)).to(runtime.device())
+    out = stream_read(words, programs=programs, block=block)
+    assert out.shape == (programs,)
+    expect = 0
+    for w in words.cpu().tolist():
+        expect ^= w
+    assert _xor(out) == expect
+
+
+def test_stream_read_refuses_bad_input():
+    from kernels.stream_read import stream_read
+    with pytest.raises(ValueError, match="words must be a 1-D int32 tensor, got torch.float32"):
+        stream_read(torch.zeros(8))
+    with pytest.raises(ValueError, match="words must be a 1-D int32 tensor.*shape \\(2, 4\\)"):
+        stream_read(torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="words must be contiguous"):
+        stream_read(torch.zeros(8, dtype=torch.int32)[::2])
+    with pytest.raises(ValueError, match="block must be a power of two, got 100"):
+        stream_read(torch.zeros(8, dtype=torch.int32), block=100)
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        stream_read(torch.zeros(8, dtype=torch.int32), programs=0)

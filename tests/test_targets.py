@@ -68,3 +68,22 @@ def test_unknown_bench_and_cli(capsys):
     assert cli.main(["targets", "nope"]) == 2
     assert cli.main(["targets", "moe"]) == 0
     assert "== moe" in capsys.readouterr().out
+
+
+def test_clean_l2_rows_are_a_separate_view(tmp_path, monkeypatch):
+    """Rows timed after a clean L2 never judge the targets (set with do_bench's dirty flush);
+    ``l2="clean"`` shows them on their own. Rows without ``l2`` are the original method."""
+    from dsv4lab import results
+    monkeypatch.setenv("DSV4LAB_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(results, "provenance", lambda: dict(PROV))
+    key = dict(impl="triton", fmt="mxfp4", T=1, smoke=False)
+    results.record("moe", [dict(key, ms=0.068, roofline_fraction=0.28),
+                           dict(key, ms=0.064, roofline_fraction=0.30, l2="dirty"),
+                           dict(key, ms=0.030, roofline_fraction=0.63, l2="clean")])
+    assert [r["ms"] for r in targets.gpu_rows("moe")] == [0.068, 0.064]
+    assert [r["ms"] for r in targets.gpu_rows("moe", "clean")] == [0.030]
+    assert targets.check("moe")[0]["value"] == pytest.approx(0.30)
+    assert targets.check("moe", l2="clean")[0]["value"] == pytest.approx(0.63)
+    with pytest.raises(ValueError, match="l2 must be 'dirty' or 'clean'"):
+        targets.check("moe", l2="warm")
+    assert cli.main(["targets", "moe", "--l2", "clean"]) == 0

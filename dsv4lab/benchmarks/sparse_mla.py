@@ -95,6 +95,8 @@ def _row(backend, kv_fmt, B, S_q, topk, heads, dim, d_v, timing, calls, idx, row
     row = {"op": "sparse_mla_decode", "backend": backend, "kv": kv_fmt, "B": B, "S_q": S_q,
            "topk": topk, "H": heads, "D": dim, "d_v": d_v, "ms": timing["ms"] / calls,
            "timing": timing["timing"], "calls_per_graph": calls, "unique_rows": uniq}
+    if "l2" in timing:
+        row["l2"] = timing["l2"]
     return bench.with_roofline(row, bytes_moved=t["needed_bytes"], flops=t["flops"], dtype="bf16")
 
 

@@ -1,0 +1,57 @@
+"""``dsv4lab bench l2``: what the L2 state before a timed call costs a memory-bound figure.
+
+``triton.testing.do_bench`` flushes the L2 between calls by zero-filling a 256 MB buffer,
+which leaves the L2 full of dirty lines: the timed call's first misses write them back, and
+that traffic is charged to the call. This benchmark times one kernel that only reads
+(:func:`kernels.stream_read.stream_read`) over sizes from 12.5 MB to 1.6 GB, once after
+each L2 state of :mod:`dsv4lab.bench` (``"dirty"``: the zero fill; ``"clean"``: a reading
+flush), in a CUDA graph as the other benches are timed. Rows: ``MB``, ``l2``, ``ms``,
+``GB_s`` and the fraction of the device's recorded read bandwidth. The difference between
+the two states is a fixed cost per call, about the L2's size over the DRAM bandwidth: small
+beside a 1 GB read, a sixth of a 50 MB one.
+
+Smoke mode (CPU): 64 KB and 256 KB in the interpreter, one row each (no L2 to speak of).
+Explained in notebooks/00_tour.ipynb.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4lab import runtime
+from dsv4lab.bench import L2_STATES, benchmark, time_graph, with_roofline
+from kernels.stream_read import stream_read
+
+SIZES_MB = (12.5, 25, 50, 75, 100, 150, 200, 400, 800, 1600)
+
+
+@benchmark("l2", "read-only kernel after a dirty vs a clean L2: the timing method's fixed cost")
+def bench_l2(smoke: bool) -> list[dict]:
+    dev = runtime.device()
+    sizes, states = ((0.064, 0.256), (None,)) if smoke else (SIZES_MB, L2_STATES)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    print(f"{'MB':>7} {'l2':>6} {'us':>9} {'GB/s':>7} {'frac':>6}")
+    for mb in sizes:
+        words = torch.randint(0, 2**30, (int(mb * 1e6) // 4,), dtype=torch.int32, device=dev, generator=gen)
+        if _xor(stream_read(words)) != _xor(words):     # every word read, before any timing
+            raise RuntimeError(f"stream_read at {mb} MB did not read every word")
+        for state in states:
+            kw = {} if state is None else {"l2": state}
+            t = time_graph(lambda: stream_read(words), warmup_ms=10, rep_ms=50, **kw)
+            nbytes = words.numel() * 4
+            row = dict(op="stream_read", MB=mb, **t, GB_s=nbytes / (t["ms"] * 1e-3) / 1e9)
+            rows.append(with_roofline(row, bytes_moved=nbytes, flops=0.0))
+            print(f"{mb:>7.1f} {t.get('l2', '-'):>6} {t['ms'] * 1e3:>9.1f} {row['GB_s']:>7.0f} "
+                  f"{row['roofline_fraction']:>6.3f}")
+    return rows
+
+
+def _xor(t: torch.Tensor) -> int:
+    """Xor of all int32 elements (torch has no xor reduction): fold halves until one is left."""
+    t = t.flatten()
+    while t.numel() > 1:
+        if t.numel() % 2:
+            t = torch.cat([t, t.new_zeros(1)])
+        h = t.numel() // 2
+        t = torch.bitwise_xor(t[:h], t[h:])
+    return int(t[0]) if t.numel() else 0

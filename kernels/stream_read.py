@@ -1,0 +1,51 @@
+"""Read a buffer once, as fast as the memory system allows: the bandwidth yardstick.
+
+A memory-bound kernel's figure is its bytes over its time; this kernel moves bytes and
+does nothing else (an xor per 32-bit word, so the loads cannot be optimised away), which
+makes it the floor any kernel reading the same bytes is compared with. ``dsv4lab bench l2``
+times it at sizes from a few MB to ~1 GB after each L2 state of :mod:`dsv4lab.bench`:
+the gap between the two states is what the timing method, not the kernel, costs.
+
+Each program walks the buffer in a grid stride of ``BLOCK`` words (coalesced 16-byte loads
+per thread) and writes the xor of what it read: one word a program.
+
+Explained in notebooks/00_tour.ipynb.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stream_read_kernel(src, out, n_words, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid * BLOCK, n_words, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc ^= tl.load(src + offs, mask=offs < n_words, other=0)
+    tl.store(out + pid, tl.xor_sum(acc, axis=0))
+
+
+def stream_read(words: torch.Tensor, *, programs: int | None = None, block: int = 2048) -> torch.Tensor:
+    """Read every element of ``words`` (contiguous 1-D int32) once; return the per-program xor.
+
+    ``programs`` defaults to 8 a streaming multiprocessor on a GPU (4 under the interpreter).
+    The xor of the result equals the xor of ``words``: the check that every word was read.
+    """
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 1:
+        raise ValueError(f"words must be a 1-D int32 tensor, got "
+                         f"{getattr(words, 'dtype', type(words).__name__)} of shape {tuple(getattr(words, 'shape', ()))}")
+    if not words.is_contiguous():
+        raise ValueError("words must be contiguous")
+    if block <= 0 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    if programs is None:
+        programs = (torch.cuda.get_device_properties(words.device).multi_processor_count * 8
+                    if words.is_cuda else 4)
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    out = torch.empty(programs, dtype=torch.int32, device=words.device)
+    _stream_read_kernel[(programs,)](words, out, words.numel(), BLOCK=block, num_warps=8)
+    return out
