@@ -125,7 +125,7 @@ def test_stream_read_reads_every_word(n, programs, block):
     """The bandwidth yardstick of ``bench l2``: the per-program xors fold to the xor of all words
     (empty buffer, one word, a block and one, more programs than blocks)."""
     from dsv4lab.benchmarks.l2 import _xor
-    from kernels.stream_read import stream_read
+    from dsv4lab.kernels.stream_read import stream_read
     words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
                           generator=torch.Generator().manual_seed(n)).to(runtime.device())
     out = stream_read(words, programs=programs, block=block)
@@ -137,7 +137,7 @@ def test_stream_read_reads_every_word(n, programs, block):
 
 
 def test_stream_read_refuses_bad_input():
-    from kernels.stream_read import stream_read
+    from dsv4lab.kernels.stream_read import stream_read
     with pytest.raises(ValueError, match="words must be a 1-D int32 tensor, got torch.float32"):
         stream_read(torch.zeros(8))
     with pytest.raises(ValueError, match="words must be a 1-D int32 tensor.*shape \\(2, 4\\)"):

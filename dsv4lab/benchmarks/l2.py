@@ -3,7 +3,7 @@
 ``triton.testing.do_bench`` flushes the L2 between calls by zero-filling a 256 MB buffer,
 which leaves the L2 full of dirty lines: the timed call's first misses write them back, and
 that traffic is charged to the call. This benchmark times one kernel that only reads
-(:func:`kernels.stream_read.stream_read`) over sizes from 12.5 MB to 1.6 GB, once after
+(:func:`dsv4lab.kernels.stream_read.stream_read`) over sizes from 12.5 MB to 1.6 GB, once after
 each L2 state of :mod:`dsv4lab.bench` (``"dirty"``: the zero fill; ``"clean"``: a reading
 flush), in a CUDA graph as the other benches are timed. Rows: ``MB``, ``l2``, ``ms``,
 ``GB_s`` and the fraction of the device's recorded read bandwidth. The difference between
@@ -19,7 +19,7 @@ import torch
 
 from dsv4lab import runtime
 from dsv4lab.bench import L2_STATES, benchmark, time_graph, with_roofline
-from kernels.stream_read import stream_read
+from dsv4lab.kernels.stream_read import stream_read
 
 SIZES_MB = (12.5, 25, 50, 75, 100, 150, 200, 400, 800, 1600)
 
@@ -44,6 +44,37 @@ def bench_l2(smoke: bool) -> list[dict]:
             print(f"{mb:>7.1f} {t.get('l2', '-'):>6} {t['ms'] * 1e3:>9.1f} {row['GB_s']:>7.0f} "
                   f"{row['roofline_fraction']:>6.3f}")
     return rows
+
+
+# (bench, label, match) of the rows :func:`gap_table` pairs: the targets' shapes of #3 and #5
+GAP_CASES = (
+    ("moe", "MoE MXFP4, T 1", dict(impl="triton", fmt="mxfp4", T=1)),
+    ("moe", "MoE MXFP4, T 64", dict(impl="triton", fmt="mxfp4", T=64)),
+    ("sparse_mla", "sparse MLA bf16, B 64, S_q 1", dict(backend="mma", kv="bf16", B=64, S_q=1, topk=2048)),
+    ("sparse_mla", "sparse MLA bf16, B 128, S_q 2", dict(backend="mma", kv="bf16", B=128, S_q=2, topk=2048)),
+)
+
+
+def gap_table(rows_by_bench: dict[str, list[dict]] | None = None) -> list[dict]:
+    """Newest recorded GPU row after each L2 state, per size of ``bench l2`` and per
+    :data:`GAP_CASES` shape: ``{"case", "dirty_us", "clean_us", "gap_us", "commits"}`` (only
+    where both states were recorded). Explained in notebooks/00_tour.ipynb."""
+    from dsv4lab import results
+    if rows_by_bench is None:
+        rows_by_bench = {b: results.load(b) for b in ("l2", "moe", "sparse_mla")}
+    cases = [("l2", f"read-only kernel, {mb:g} MB", dict(op="stream_read", MB=mb)) for mb in SIZES_MB]
+    out = []
+    for bench_name, label, match in cases + list(GAP_CASES):
+        newest = {}
+        for r in rows_by_bench.get(bench_name, []):
+            if not r.get("smoke") and r.get("l2") and all(r.get(k) == v for k, v in match.items()):
+                newest[r["l2"]] = r
+        if len(newest) == 2:
+            d, c = newest["dirty"], newest["clean"]
+            out.append(dict(case=label, dirty_us=d["ms"] * 1e3, clean_us=c["ms"] * 1e3,
+                            gap_us=(d["ms"] - c["ms"]) * 1e3,
+                            commits=f"{str(d['commit'])[:7]}/{str(c['commit'])[:7]}"))
+    return out
 
 
 def _xor(t: torch.Tensor) -> int:

@@ -121,6 +121,34 @@ def plot_anatomy(rows_by_label, *, device=None):
     return fig
 
 
+def plot_l2_states(rows, *, ax=None):
+    """``dsv4lab bench l2`` rows: GB/s of a read-only kernel against its size, one line per L2
+    state before the call (dirty: do_bench's zero fill; clean: a reading flush), with the
+    device's recorded bandwidth. The gap is the timing method's fixed cost, not the kernel's."""
+    from dsv4lab import results
+    from dsv4lab.plots._common import latest, note
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    rows = [r for r in latest(rows, ("op", "MB", "l2", "gpu")) if r.get("op") == "stream_read" and r.get("l2")]
+    if not rows:
+        note(ax, "no recorded GPU rows of `dsv4lab bench l2` yet")
+        return ax
+    for state, style in (("dirty", "o-"), ("clean", "s--")):
+        pts = sorted((r["MB"], r["GB_s"]) for r in rows if r["l2"] == state)
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"after a {state} L2")
+    bw = roofline.device_spec(rows[0].get("roofline_device")).bandwidth
+    ax.axhline(bw / 1e9, color="grey", lw=1, ls=":", label=f"recorded bandwidth {bw / 1e12:.2f} TB/s")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes read by the call (MB)")
+    ax.set_ylabel("GB/s (bytes / timed call)")
+    ax.set_title(f"one read-only kernel, two timing methods\n{results.label(rows)}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.figure.tight_layout()
+    return ax
+
+
 def figure_png(fig) -> bytes:
     """The figure as PNG bytes (for static HTML fallbacks)."""
     import io
@@ -130,4 +158,4 @@ def figure_png(fig) -> bytes:
     return buf.getvalue()
 
 
-__all__ = ["plot_roofline", "plot_stacked", "plot_anatomy", "figure_png", "GROUP_COLORS"]
+__all__ = ["plot_roofline", "plot_stacked", "plot_anatomy", "plot_l2_states", "figure_png", "GROUP_COLORS"]
