@@ -375,7 +375,121 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
                  + offs_n[:, None], y, mask=mmask[None, :] & nmask[:, None])
 
 
-LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps")
+@gluon.jit
+def _prefetch_l2(rows, nbytes, BN: gl.constexpr, num_warps: gl.constexpr):
+    """Ask the L2 for nbytes from each of the BN row pointers (128-byte lines), no wait."""
+    L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
+    r = gl.convert_layout(rows, gl.SliceLayout(1, L))
+    lines = gl.arange(0, 8, layout=gl.SliceLayout(0, L)) * 128
+    for off in range(0, nbytes, 1024):
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [r[:, None] + (off + lines)[None, :]], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wait_count(ptr, target):
+    """Spin until the counter at ptr reaches target (acquire: what its writers stored
+    before their release is then visible to this program)."""
+    seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
+                   act_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H,
+                   stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out,
+                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                   BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr,
+                   NSPS1: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
+                   ASM: gl.constexpr, num_warps: gl.constexpr):
+    """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
+    (token, slot) pair is its own block of one token, in column t of the mma tile.
+
+    Tiles are handed out in the order programs start (a ticket counter), gate/up tiles
+    first, pair by pair, then the down tiles, pair by pair: a program that waits only ever
+    waits for tiles already handed to running programs, so the launch cannot deadlock
+    whatever order the hardware starts programs in. Counters (ctr_ptr, zeroed by the
+    launcher): [0] the ticket; [1 + p] pair p's finished gate/up tiles; [1 + P + n] the
+    finished down tiles of hidden rows n * BN2 ...
+    - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over all of
+      H, the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), then released;
+    - a down tile: BN2 rows of pair p's down projection (their bytes prefetched to L2 while
+      it waits for act[p]), times the routing weight, stored to ypair[p]; the last of the P
+      tiles of those rows to finish sums ypair over the pairs in order and writes out."""
+    MMA: gl.constexpr = _mma_layout(num_warps)
+    COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    n_tiles1 = I // BN1
+    n_gu = P * n_tiles1
+    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    m = gl.arange(0, BM, layout=COLS)
+    if tile < n_gu:
+        p = tile // n_tiles1
+        pn = tile % n_tiles1
+        e = gl.load(ids_ptr + p)
+        if e >= 0:
+            t = p // TOPK
+            col = m == t
+            offs_n, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, 0, I, H // 128,
+                                                         stride_w13e, stride_w13n, stride_s13e,
+                                                         stride_s13n, IS_NV, BN1, num_warps)
+            _, _, wu, su, smax_u = _weight_rows(w13_ptr + I * stride_w13n, s13_ptr + I * stride_s13n,
+                                                e, pn, 0, I, H // 128, stride_w13e, stride_w13n,
+                                                stride_s13e, stride_s13n, IS_NV, BN1, num_warps)
+            x_rows = xp_ptr + t.to(gl.int64) * stride_xt + m * 0
+            acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, col,
+                                   H // 128, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps)
+            gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV)
+            up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV)
+            if HAS_LIMIT:
+                gate = gl.minimum(gate, swiglu_limit)
+                up = gl.minimum(gl.maximum(up, -swiglu_limit), swiglu_limit)
+            act = gate / (1.0 + gl.exp(-gate)) * up
+            gl.store(act_ptr + p.to(gl.int64) * stride_act + (_seg_order(offs_n)[:, None] + m[None, :] * 0),
+                     (act * 0.00390625).to(gl.float16), mask=col[None, :] & nmask[:, None])
+        gl.thread_barrier()                       # every thread's act stores, then one release
+        gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
+    else:
+        d = tile - n_gu
+        n_tiles2 = H // BN2
+        p = d // n_tiles2
+        pn = d % n_tiles2
+        e = gl.load(ids_ptr + p)
+        offs_n = pn * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, MMA))
+        ytile = ypair_ptr + p.to(gl.int64) * stride_y + offs_n[:, None] + m[None, :] * 0
+        if e >= 0:
+            t = p // TOPK
+            col = m == t
+            _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, 0, H, I // 128, stride_w2e,
+                                                stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
+                                                num_warps)
+            if PREFETCH:
+                _prefetch_l2(w, I // 2, BN2, num_warps)
+            _wait_count(ctr_ptr + 1 + p, n_tiles1)
+            a_rows = act_ptr + p.to(gl.int64) * stride_act + m * 0
+            acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, col, I // 128,
+                                  IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps)
+            wt = gl.load(topk_w_ptr + p).to(gl.float32)
+            y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
+            gl.store(ytile, y, mask=col[None, :] & nmask[:, None])
+        gl.thread_barrier()
+        done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
+        if done == P - 1:                         # the last of this row tile's P down tiles
+            total = gl.zeros([BN2, BM], gl.float32, layout=MMA)
+            for q in range(P):                    # pairs in order: the same sum every call
+                tq = q // TOPK
+                eq = gl.load(ids_ptr + q)
+                yq = gl.load(ypair_ptr + q * stride_y + offs_n[:, None] + m[None, :] * 0,
+                             mask=(m == tq)[None, :] & (eq >= 0), other=0.0, cache_modifier=".cg")
+                total += yq
+            gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_n[:, None],
+                     total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+
+
+LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
+               "FUSED", "PREFETCH")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -396,9 +510,12 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
-              SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4):
+              SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
+              PREFETCH=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
+    With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
+    (:func:`_decode_kernel`; SPLIT*, STAGES2 unused, PREFETCH: the down tiles' L2 prefetch).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -424,6 +541,10 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     ids = topk_ids.contiguous()
     tw = topk_weights.reshape(-1).contiguous()
+    if FUSED and T <= int(BM):
+        return _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
+                             w2_global, swiglu_limit, BN1, BN2, STAGES, NSPS,
+                             NSPS if NSPS2 is None else NSPS2, PREFETCH, num_warps)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
     nsps1 = base._pick_split(H // 128, NSPS)
@@ -464,4 +585,40 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     base._moe_combine_kernel[(T, triton.cdiv(H, BH))](
         ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
         TOPK=topk, SPLIT=split2, BH=BH, num_warps=4)
+    return out
+
+
+def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
+                  swiglu_limit, BN1, BN2, STAGES, NSPS1, NSPS2, PREFETCH, num_warps):
+    """x's copy in sigma's order, then :func:`_decode_kernel` (T <= BM tokens)."""
+    from dsv4lab.kernels import moe as base
+    T, H = x.shape
+    I = w13.shape[1] // 2
+    P = ids.numel()
+    dev = x.device
+    for name, v, n in (("BN1", BN1, I), ("BN2", BN2, H)):
+        if n % v:
+            raise ValueError(f"moe_mma2: {name} ({v}) must divide {n}")
+    nsps1 = base._pick_split(H // 128, NSPS1)
+    nsps2 = base._pick_split(I // 128, NSPS2)
+    xp = torch.empty(T, H, dtype=torch.float16, device=dev)
+    BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+    base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
+                                                       BH=BX, PLANES=2, SEG=True, num_warps=4)
+    act = torch.empty(P, I, dtype=torch.float16, device=dev)
+    ypair = torch.empty(P, H, dtype=torch.float32, device=dev)
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    # the ticket, one gate/up count a pair, one down count a row tile (see _decode_kernel)
+    counters = torch.zeros(1 + P + H // BN2, dtype=torch.int32, device=dev)
+    g13 = w13_global.contiguous() if is_nv else ypair
+    g2 = w2_global.contiguous() if is_nv else ypair
+    grid = (P * (I // BN1) + P * (H // BN2),)
+    _decode_kernel[grid](
+        xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, ypair, out, counters, P, T,
+        ids.shape[1], I, H, xp.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
+        w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        act.stride(0), ypair.stride(0), out.stride(0),
+        float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
+        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, STAGES=STAGES, NSPS1=nsps1,
+        NSPS2=nsps2, PREFETCH=PREFETCH, ASM=base.FASTDEC_ASM, num_warps=num_warps)
     return out

@@ -174,6 +174,16 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=64, BK1=256, BK2=256, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, BN1=32, BN2=128, BK1=256, BK2=256, ROWMAX=True),
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=256, BK1=128, BK2=256, ROWMAX=True, num_warps=8),
+    # round 11 (session 9), T <= 8: kernels/moe_mma2.py's one-launch decode (FUSED): x's copy,
+    # then gate/up, SwiGLU, down and the pairs' sum in one ticketed launch (#97-#104)
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=3, NSPS=2)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=3, NSPS=2, PREFETCH=False)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=4)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=4, NSPS=1)),
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, STAGES=3, NSPS=2, num_warps=2)),
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, STAGES=4, NSPS=2, num_warps=2)),
+    _c(MMA2=dict(FUSED=True, BN1=128, BN2=128, STAGES=2, NSPS=2, num_warps=8)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=2, NSPS2=4)),
 ]
 
 
@@ -183,7 +193,8 @@ def short(cfg: dict) -> str:
     flags = "".join(f" {k}" for k in ("DECODE32", "FASTDEC", "XPRE", "ROWMAX", "W16", "FOLD") if d.get(k))
     return (f"{kind} BM{d['BM']} BN{d['BN1']}/{d['BN2']} BK{d['BK1']}/{d['BK2']} "
             f"S{d.get('SPLIT1', 1)}/{d['SPLIT2']} w{d['num_warps']} s{d['num_stages']}{flags}"
-            + (f" r{d['MAXNREG']}" if d.get("MAXNREG") else ""))
+            + (f" r{d['MAXNREG']}" if d.get("MAXNREG") else "")
+            + (f" MMA2{d['MMA2']}" if d.get("MMA2") else ""))
 
 
 def main() -> int:

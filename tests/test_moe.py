@@ -984,6 +984,67 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
 
 @gpu
 @pytest.mark.gpu
+@settings(max_examples=14, deadline=None)
+@given(T=st.integers(1, 11), E=st.integers(2, 12), k=st.integers(1, 6),
+       H=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]),
+       fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
+       routing=st.sampled_from(["random", "skewed", "holes"]),
+       launch=st.sampled_from([dict(), dict(BN1=64, BN2=64, STAGES=3, NSPS=2),
+                               dict(BN1=128, BN2=128, num_warps=8, STAGES=2, PREFETCH=False),
+                               dict(BN1=32, BN2=32, num_warps=2, NSPS=4, NSPS2=1)]),
+       seed=st.integers(0, 1000))
+def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
+    # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, the
+    # last down tile of a row range summing the pairs) against the fp32 reference: one token
+    # to 8 (and 9-11, which take the grouped path), every token on one expert, -1 slots, both
+    # formats, with and without the clamp; two calls give the same bits (fixed sum order)
+    from dsv4lab.kernels import moe_mma2
+    k = min(k, E)
+    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.05)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).cuda().to(torch.bfloat16)
+    ids, w = draw_routing(T, E, k, routing, g)
+    ids, w = ids.cuda(), w.cuda()
+    ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
+    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+
+    def run():
+        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                                  fmt=fmt, swiglu_limit=limit, FUSED=True, **kw, **launch)
+    out = run()
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    assert_close(out, ref, torch.bfloat16)
+    assert torch.equal(run(), out)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_mma2_fused_decode_in_graph(fmt):
+    # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
+    # graph and replayed on new routing: the counters start from zero on every replay
+    from dsv4lab import bench
+    from dsv4lab.kernels import moe_mma2
+    T = 1
+    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=91)
+
+    def run():
+        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                                  fmt=fmt, swiglu_limit=10.0, FUSED=True, **kw)
+    assert_close(run(), ref, torch.bfloat16)
+    graph, out = bench.capture_graph(run)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch"), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_gpu_mma2_default_in_graph(fmt):
     # the table's T = 64 row (fused_moe picks moe_mma2) at Flash's sizes, 32 experts,
