@@ -393,6 +393,9 @@ def _wait_count(ptr, target):
     before their release is then visible to this program)."""
     seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
+        # back off ~0.5 us between polls: the issue slots stay with the SM's working programs
+        seen = gl.inline_asm_elementwise("nanosleep.u32 500; mov.u32 $0, $1;", "=r,r", [seen],
+                                         dtype=gl.int32, is_pure=False, pack=1)
         seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
 

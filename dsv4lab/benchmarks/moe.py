@@ -140,6 +140,9 @@ VARIANTS = [
     ("triton_fd_xpre_rm_bk128_bn2_128_bk2_256", dict(_FX128, ROWMAX=True, BN2=128, BK2=256)),
     ("triton_fd_xpre", dict(_FX)),
     ("mma2_t1", dict(PLAIN, MMA2=dict(BN1=64, SPLIT1=2, BN2=64, SPLIT2=1, STAGES=3, NSPS=2))),
+    # Session 9: moe_mma2's one-launch decode (FUSED: x's copy, then everything in one
+    # ticketed launch), at its best T = 1 layout in tune_moe round 11
+    ("mma2_fused_t1", dict(PLAIN, MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=4))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -149,7 +152,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "triton_fd_xpre_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre_w16_bk128_s2": (1,),
                 "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
                 "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
-                "mma2_t1": (1,)}
+                "mma2_t1": (1,), "mma2_fused_t1": (1,)}
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
