@@ -400,14 +400,23 @@ def _wait_count(ptr, target):
 
 
 @gluon.jit
+def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: gl.constexpr):
+    if HAS_LIMIT:
+        gate = gl.minimum(gate, swiglu_limit)
+        up = gl.minimum(gl.maximum(up, -swiglu_limit), swiglu_limit)
+    return gate / (1.0 + gl.exp(-gate)) * up
+
+
+@gluon.jit
 def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
-                   act_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H,
+                   act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H,
                    stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
-                   stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out,
-                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                   BN1: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr,
-                   NSPS1: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
-                   ASM: gl.constexpr, num_warps: gl.constexpr):
+                   stride_w2n, stride_s2e, stride_s2n, stride_act, stride_part, stride_y,
+                   stride_out, swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                   BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
+                   SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
+                   NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
+                   num_warps: gl.constexpr):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -415,78 +424,105 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     first, pair by pair, then the down tiles, pair by pair: a program that waits only ever
     waits for tiles already handed to running programs, so the launch cannot deadlock
     whatever order the hardware starts programs in. Counters (ctr_ptr, zeroed by the
-    launcher): [0] the ticket; [1 + p] pair p's finished gate/up tiles; [1 + P + n] the
-    finished down tiles of hidden rows n * BN2 ...
-    - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over all of
-      H, the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), then released;
-    - a down tile: BN2 rows of pair p's down projection (their bytes prefetched to L2 while
-      it waits for act[p]), times the routing weight, stored to ypair[p]; the last of the P
-      tiles of those rows to finish sums ypair over the pairs in order and writes out."""
+    launcher): [0] the ticket; [1 + p] pair p's finished gate/up row tiles; [1 + P + n] the
+    finished down tiles of hidden rows n * BN2 ...; [1 + P + H / BN2 + g] the finished K
+    slices of gate/up row tile g (split-K only).
+    - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over a K
+      slice of H; split over K (SPLIT1), fp32 partials, the last slice to finish sums them
+      in order; then the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), released;
+    - a down tile: BN2 rows of pair p's down projection over a K slice of I (their bytes
+      prefetched to L2 while it waits for act[p]), times the routing weight, stored to
+      ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
+      over the pairs and slices in order and writes out."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+    ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     n_tiles1 = I // BN1
-    n_gu = P * n_tiles1
+    n_tiles2 = H // BN2
+    n_gu = P * n_tiles1 * SPLIT1
+    nseg1 = H // 128 // SPLIT1
+    nseg2 = I // 128 // SPLIT2
     tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     m = gl.arange(0, BM, layout=COLS)
     if tile < n_gu:
-        p = tile // n_tiles1
-        pn = tile % n_tiles1
+        g = tile // SPLIT1                      # the gate/up row tile (p, pn)
+        sp = tile % SPLIT1
+        p = g // n_tiles1
+        pn = g % n_tiles1
         e = gl.load(ids_ptr + p)
+        t = p // TOPK
+        col = m == t
+        offs_n = pn * BN1 + gl.arange(0, BN1, layout=ROWS)
         if e >= 0:
-            t = p // TOPK
-            col = m == t
-            offs_n, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, 0, I, H // 128,
-                                                         stride_w13e, stride_w13n, stride_s13e,
-                                                         stride_s13n, IS_NV, BN1, num_warps)
+            _, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, sp, I, nseg1,
+                                                    stride_w13e, stride_w13n, stride_s13e,
+                                                    stride_s13n, IS_NV, BN1, num_warps)
             _, _, wu, su, smax_u = _weight_rows(w13_ptr + I * stride_w13n, s13_ptr + I * stride_s13n,
-                                                e, pn, 0, I, H // 128, stride_w13e, stride_w13n,
+                                                e, pn, sp, I, nseg1, stride_w13e, stride_w13n,
                                                 stride_s13e, stride_s13n, IS_NV, BN1, num_warps)
-            x_rows = xp_ptr + t.to(gl.int64) * stride_xt + m * 0
+            x_rows = xp_ptr + t.to(gl.int64) * stride_xt + sp * nseg1 * 128 + m * 0
             acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, col,
-                                   H // 128, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps)
+                                   nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps)
             gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV)
             up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV)
-            if HAS_LIMIT:
-                gate = gl.minimum(gate, swiglu_limit)
-                up = gl.minimum(gl.maximum(up, -swiglu_limit), swiglu_limit)
-            act = gate / (1.0 + gl.exp(-gate)) * up
-            gl.store(act_ptr + p.to(gl.int64) * stride_act + (_seg_order(offs_n)[:, None] + m[None, :] * 0),
-                     (act * 0.00390625).to(gl.float16), mask=col[None, :] & nmask[:, None])
-        gl.thread_barrier()                       # every thread's act stores, then one release
-        gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
+            if SPLIT1 > 1:
+                part = part_ptr + (sp * P + p).to(gl.int64) * stride_part + offs_n[:, None] + m[None, :] * 0
+                gl.store(part, gate, mask=col[None, :])
+                gl.store(part + I, up, mask=col[None, :])
+            else:
+                gl.store(act_ptr + p.to(gl.int64) * stride_act + (_seg_order(offs_n)[:, None] + m[None, :] * 0),
+                         (_swiglu(gate, up, swiglu_limit, HAS_LIMIT) * 0.00390625).to(gl.float16),
+                         mask=col[None, :])
+        last = True
+        if SPLIT1 > 1:
+            gl.thread_barrier()
+            last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == SPLIT1 - 1
+            if last & (e >= 0):                 # the row tile's last slice: sum in slice order
+                gate = gl.zeros([BN1, BM], gl.float32, layout=MMA)
+                up = gl.zeros([BN1, BM], gl.float32, layout=MMA)
+                for q in range(SPLIT1):
+                    part = part_ptr + (q * P + p).to(gl.int64) * stride_part + offs_n[:, None] + m[None, :] * 0
+                    gate += gl.load(part, mask=col[None, :], other=0.0, cache_modifier=".cg")
+                    up += gl.load(part + I, mask=col[None, :], other=0.0, cache_modifier=".cg")
+                gl.store(act_ptr + p.to(gl.int64) * stride_act + (_seg_order(offs_n)[:, None] + m[None, :] * 0),
+                         (_swiglu(gate, up, swiglu_limit, HAS_LIMIT) * 0.00390625).to(gl.float16),
+                         mask=col[None, :])
+        if last:
+            gl.thread_barrier()                   # every thread's act stores, then one release
+            gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
     else:
         d = tile - n_gu
-        n_tiles2 = H // BN2
-        p = d // n_tiles2
-        pn = d % n_tiles2
+        sp = d % SPLIT2
+        p = d // SPLIT2 // n_tiles2
+        pn = d // SPLIT2 % n_tiles2
         e = gl.load(ids_ptr + p)
-        offs_n = pn * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, MMA))
-        ytile = ypair_ptr + p.to(gl.int64) * stride_y + offs_n[:, None] + m[None, :] * 0
+        offs_n = pn * BN2 + gl.arange(0, BN2, layout=ROWS)
         if e >= 0:
             t = p // TOPK
             col = m == t
-            _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, 0, H, I // 128, stride_w2e,
+            _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
                                                 stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
                                                 num_warps)
             if PREFETCH:
-                _prefetch_l2(w, I // 2, BN2, num_warps)
+                _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
             _wait_count(ctr_ptr + 1 + p, n_tiles1)
-            a_rows = act_ptr + p.to(gl.int64) * stride_act + m * 0
-            acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, col, I // 128,
+            a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
+            acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, col, nseg2,
                                   IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
-            gl.store(ytile, y, mask=col[None, :] & nmask[:, None])
+            gl.store(ypair_ptr + (sp * P + p).to(gl.int64) * stride_y + offs_n[:, None] + m[None, :] * 0,
+                     y, mask=col[None, :])
         gl.thread_barrier()
         done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
-        if done == P - 1:                         # the last of this row tile's P down tiles
+        if done == P * SPLIT2 - 1:                # the last of this row tile's down tiles
             total = gl.zeros([BN2, BM], gl.float32, layout=MMA)
-            for q in range(P):                    # pairs in order: the same sum every call
+            for q in range(P):                    # pairs and slices in order: the same sum every call
                 tq = q // TOPK
-                eq = gl.load(ids_ptr + q)
-                yq = gl.load(ypair_ptr + q * stride_y + offs_n[:, None] + m[None, :] * 0,
-                             mask=(m == tq)[None, :] & (eq >= 0), other=0.0, cache_modifier=".cg")
-                total += yq
+                live = (m == tq)[None, :] & (gl.load(ids_ptr + q) >= 0)
+                for q2 in range(SPLIT2):
+                    total += gl.load(ypair_ptr + (q2 * P + q) * stride_y + offs_n[:, None] + m[None, :] * 0,
+                                     mask=live, other=0.0, cache_modifier=".cg")
             gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_n[:, None],
                      total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
 
@@ -518,7 +554,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
-    (:func:`_decode_kernel`; SPLIT*, STAGES2 unused, PREFETCH: the down tiles' L2 prefetch).
+    (:func:`_decode_kernel`; STAGES2 unused, PREFETCH: the down tiles' L2 prefetch).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -546,7 +582,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     tw = topk_weights.reshape(-1).contiguous()
     if FUSED and T <= int(BM):
         return _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
-                             w2_global, swiglu_limit, BN1, BN2, STAGES, NSPS,
+                             w2_global, swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS,
                              NSPS if NSPS2 is None else NSPS2, PREFETCH, num_warps)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
@@ -592,7 +628,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 
 def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
-                  swiglu_limit, BN1, BN2, STAGES, NSPS1, NSPS2, PREFETCH, num_warps):
+                  swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS1, NSPS2, PREFETCH, num_warps):
     """x's copy in sigma's order, then :func:`_decode_kernel` (T <= BM tokens)."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -604,24 +640,28 @@ def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w
             raise ValueError(f"moe_mma2: {name} ({v}) must divide {n}")
     nsps1 = base._pick_split(H // 128, NSPS1)
     nsps2 = base._pick_split(I // 128, NSPS2)
+    split1 = base._pick_split(H // 128 // nsps1, SPLIT1)
+    split2 = base._pick_split(I // 128 // nsps2, SPLIT2)
     xp = torch.empty(T, H, dtype=torch.float16, device=dev)
     BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
-    ypair = torch.empty(P, H, dtype=torch.float32, device=dev)
+    part = torch.empty(split1 * P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
+    ypair = torch.empty(split2 * P, H, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    # the ticket, one gate/up count a pair, one down count a row tile (see _decode_kernel)
-    counters = torch.zeros(1 + P + H // BN2, dtype=torch.int32, device=dev)
+    # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see _decode_kernel)
+    counters = torch.zeros(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    grid = (P * (I // BN1) + P * (H // BN2),)
+    grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
     _decode_kernel[grid](
-        xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, ypair, out, counters, P, T,
+        xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters, P, T,
         ids.shape[1], I, H, xp.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        act.stride(0), ypair.stride(0), out.stride(0),
+        act.stride(0), part.stride(0), ypair.stride(0), out.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
-        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, STAGES=STAGES, NSPS1=nsps1,
-        NSPS2=nsps2, PREFETCH=PREFETCH, ASM=base.FASTDEC_ASM, num_warps=num_warps)
+        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
+        STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH, ASM=base.FASTDEC_ASM,
+        num_warps=num_warps)
     return out

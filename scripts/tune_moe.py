@@ -184,6 +184,15 @@ CANDIDATES = [
     _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, STAGES=4, NSPS=2, num_warps=2)),
     _c(MMA2=dict(FUSED=True, BN1=128, BN2=128, STAGES=2, NSPS=2, num_warps=8)),
     _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=2, NSPS2=4)),
+    # timed at 8b1b3ec (H200, T = 1 MXFP4): #99 best at 71.6 us, no faster than the grouped
+    # kernels (6 launches): ~6 warps an SM hold too few independent chains. Split-K in the
+    # same launch (#105-#110: fp32 partials, the last slice of a row tile sums them)
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=2, STAGES=2, NSPS=2)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, STAGES=2, NSPS=4)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1)),
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1)),
 ]
 
 

@@ -984,18 +984,21 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
 
 @gpu
 @pytest.mark.gpu
-@settings(max_examples=14, deadline=None)
+@settings(max_examples=18, deadline=None)
 @given(T=st.integers(1, 11), E=st.integers(2, 12), k=st.integers(1, 6),
        H=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]),
        fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
        routing=st.sampled_from(["random", "skewed", "holes"]),
        launch=st.sampled_from([dict(), dict(BN1=64, BN2=64, STAGES=3, NSPS=2),
                                dict(BN1=128, BN2=128, num_warps=8, STAGES=2, PREFETCH=False),
-                               dict(BN1=32, BN2=32, num_warps=2, NSPS=4, NSPS2=1)]),
+                               dict(BN1=32, BN2=32, num_warps=2, NSPS=4, NSPS2=1),
+                               dict(SPLIT1=2, SPLIT2=2, BN1=64, BN2=64, STAGES=2, NSPS=2),
+                               dict(SPLIT1=4, SPLIT2=4, BN1=64, BN2=64, STAGES=3, NSPS=1)]),
        seed=st.integers(0, 1000))
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
-    # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, the
-    # last down tile of a row range summing the pairs) against the fp32 reference: one token
+    # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
+    # slices summed by the last one, the last down tile of a row range summing the pairs)
+    # against the fp32 reference: one token
     # to 8 (and 9-11, which take the grouped path), every token on one expert, -1 slots, both
     # formats, with and without the clamp; two calls give the same bits (fixed sum order)
     from dsv4lab.kernels import moe_mma2
@@ -1020,7 +1023,8 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_mma2_fused_decode_in_graph(fmt):
+@pytest.mark.parametrize("split", [dict(), dict(SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2)])
+def test_gpu_mma2_fused_decode_in_graph(fmt, split):
     # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
     # graph and replayed on new routing: the counters start from zero on every replay
     from dsv4lab import bench
@@ -1030,7 +1034,7 @@ def test_gpu_mma2_fused_decode_in_graph(fmt):
 
     def run():
         return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=10.0, FUSED=True, **kw)
+                                  fmt=fmt, swiglu_limit=10.0, FUSED=True, **kw, **split)
     assert_close(run(), ref, torch.bfloat16)
     graph, out = bench.capture_graph(run)
     for seed in range(3):
