@@ -193,6 +193,14 @@ CANDIDATES = [
     _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1)),
     _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2)),
     _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1)),
+    # timed at a7450b5 (T = 1 MXFP4): #109 59.2, #110 59.4, #108 61.9, #106 63.3 us; T = 8:
+    # 338.6 at best (#105), slower than the grouped kernels. More, smaller slices (#111-#116)
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2)),
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1, num_warps=2)),
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1, num_warps=2)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=8, SPLIT2=8, STAGES=2, NSPS=1)),
+    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=16, SPLIT2=8, STAGES=2, NSPS=1)),
+    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=4, NSPS=2, num_warps=2)),
 ]
 
 
