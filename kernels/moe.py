@@ -105,10 +105,12 @@ blocks within 2**24 of the step's largest, flushed below 2**-29 of it) and the s
 dot gets ``2**(smax - 128 + 8)`` (fp32, per column). x (and the activations) enter the
 dot as fp16 scaled by 2**-8 (|x| < 1.6e7).
 
-MMA2 (the T = 64 row of :data:`CONFIGS`): on a GPU of sm_80 or newer the two GEMMs run as
-:mod:`dsv4lab.kernels.moe_mma2`'s Gluon ``mma.sync`` kernels, which load the weight bytes
-straight into the tensor-core A operand (no register moves; ~6 SASS instructions a byte);
-the interpreter and any shape they refuse run the Triton kernels below.
+MMA2 (the T = 1 and T = 64 rows of :data:`CONFIGS`): on a GPU of sm_80 or newer the two
+GEMMs run as :mod:`dsv4lab.kernels.moe_mma2`'s Gluon ``mma.sync`` kernels, which load the
+weight bytes straight into the tensor-core A operand (no register moves; ~6 SASS
+instructions a byte); at one token, its one-launch decode (``FUSED``: no grouping, split-K
+and the combine inside the launch). The interpreter and any shape they refuse run the
+Triton kernels below.
 
 Everything runs on sm_80, sm_90 and sm_120 alike (plain loads, integer ops, ``tl.dot``
 on fp16) and in Triton's interpreter; under the interpreter the dot operands are upcast
@@ -1017,8 +1019,15 @@ _FX128_RM = dict(_FX128, BN2=128, BK2=256, ROWMAX=True)
 # NVFP4 999.5 against 1036.2 for _FX. At T = 1 the same kernels were slower (71.3 against
 # 67.6 us at their best): the small-T rows keep the Triton kernels.
 _MMA2_T64 = dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2)
+# Session 9: one token (MAX_T: the MMA2 entry applies up to this many tokens; the row's T = 8
+# keeps the Triton kernels) runs moe_mma2's one-launch decode (FUSED) with split-K 4 / 2 over
+# 2-warp programs of 32 rows. H200, scripts/tune_moe.py round 11 (#111, printout; the recorded
+# evidence is `dsv4lab bench moe`): MXFP4 59.6 us, NVFP4 59.3 us at T = 1, against 67.8 for
+# _FX128_S2 in the bench; at T = 8 the fused launch was slower (338.6 against 317.5 us).
+_MMA2_T1 = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
+                num_warps=2)
 CONFIGS = [
-    (1.0, dict(mxfp4=_FX128_S2, nvfp4=_FX128_S2)),             # T=1, T=8
+    (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8
     (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64
     (16.0, dict(mxfp4=_FX128, nvfp4=_FX)),                     # T=256
     (float("inf"), {f: dict(BM=64, BN1=64, BN2=128, BK1=128, BK2=128, SPLIT2=1, USE_DOT=True,
@@ -1091,12 +1100,15 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     mma2 = cfg.get("MMA2")
     if mma2 is not None:
         from dsv4lab.kernels import moe_mma2
-        if not isinstance(mma2, dict) or set(mma2) - set(moe_mma2.LAUNCH_KEYS):
-            raise ValueError(f"config: MMA2 must be None or a dict of {moe_mma2.LAUNCH_KEYS}, got {mma2!r}")
-        if moe_mma2.supported(x, H, I, (w13, w13_scale, w2, w2_scale)) is None:   # else: Triton
+        keys = moe_mma2.LAUNCH_KEYS + ("MAX_T",)
+        if not isinstance(mma2, dict) or set(mma2) - set(keys):
+            raise ValueError(f"config: MMA2 must be None or a dict of {keys}, got {mma2!r}")
+        launch = {k: v for k, v in mma2.items() if k != "MAX_T"}
+        fits = T <= mma2.get("MAX_T", T)       # MAX_T: more tokens run the row's Triton entries
+        if fits and moe_mma2.supported(x, H, I, (w13, w13_scale, w2, w2_scale)) is None:  # else: Triton
             return moe_mma2.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                       fmt=fmt, w13_global=w13_global, w2_global=w2_global,
-                                      swiglu_limit=swiglu_limit, **mma2)
+                                      swiglu_limit=swiglu_limit, **launch)
     BM, use_dot = int(cfg["BM"]), bool(cfg["USE_DOT"])
     if use_dot and BM < 16:
         raise ValueError(f"config: USE_DOT needs BM >= 16 (tl.dot's smallest M), got BM={BM}")

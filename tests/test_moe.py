@@ -921,7 +921,9 @@ def test_mma2_selection_and_fallback():
     from dsv4lab.kernels import moe as kmoe, moe_mma2
     for fmt in ("mxfp4", "nvfp4"):
         assert kmoe.config_for(64, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T64
-        assert kmoe.config_for(1, 6, 256, fmt).get("MMA2") is None
+        assert kmoe.config_for(1, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T1      # one token only:
+        assert kmoe.config_for(8, 6, 256, fmt)["MMA2"]["MAX_T"] == 1         # T = 8 runs Triton
+        assert kmoe.config_for(256, 6, 256, fmt).get("MMA2") is None
     x = torch.randn(3, 128)
     assert "interpreter" in moe_mma2.supported(x, 128, 128) or "CUDA" in moe_mma2.supported(x, 128, 128)
     if torch.cuda.is_available():
