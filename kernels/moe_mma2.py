@@ -53,6 +53,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
+# The fused decode's timeline (scripts/profile_moe.py --timeline): with DSV4LAB_MOE_TIMELINE=1
+# in the environment when this module is imported, each tile of :func:`_decode_kernel` reads
+# %globaltimer at the points of TIMELINE_POINTS (and its SM) into a buffer (:func:`timeline`);
+# otherwise the reads compile away.
+TIMELINE = gl.constexpr(os.environ.get("DSV4LAB_MOE_TIMELINE", "0") == "1")
+TIMELINE_POINTS = ("program start", "ticket", "loop start", "loop end", "end", "sm")
+_LAST_TIMELINE: list = []
 
 
 @gluon.jit
@@ -400,6 +407,21 @@ def _wait_count(ptr, target):
 
 
 @gluon.jit
+def _stamp(stamps, tile, point: gl.constexpr, num_warps: gl.constexpr):
+    """TIMELINE: tile ``tile`` records %globaltimer (ns; point 5: %smid) at ``point``."""
+    if TIMELINE:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        i = gl.arange(0, 32 * num_warps, layout=one)
+        if point == 5:
+            t = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [i], dtype=gl.int32,
+                                          is_pure=False, pack=1).to(gl.int64)
+        else:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64,
+                                          is_pure=False, pack=1)
+        gl.store(stamps + tile * 8 + point + 0 * i, t, mask=i == 0)
+
+
+@gluon.jit
 def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: gl.constexpr):
     if HAS_LIMIT:
         gate = gl.minimum(gate, swiglu_limit)
@@ -409,7 +431,7 @@ def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: gl.constexpr):
 
 @gluon.jit
 def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
-                   act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H,
+                   act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H,
                    stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
                    stride_w2n, stride_s2e, stride_s2n, stride_act, stride_part, stride_y,
                    stride_out, swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
@@ -442,7 +464,15 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     n_gu = P * n_tiles1 * SPLIT1
     nseg1 = H // 128 // SPLIT1
     nseg2 = I // 128 // SPLIT2
+    t0 = 0
+    if TIMELINE:
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
+                                       is_pure=False, pack=1)
     tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    if TIMELINE:
+        gl.store(stamps_ptr + tile * 8, t0)
+        _stamp(stamps_ptr, tile, 1, num_warps)
+        _stamp(stamps_ptr, tile, 5, num_warps)
     m = gl.arange(0, BM, layout=COLS)
     if tile < n_gu:
         g = tile // SPLIT1                      # the gate/up row tile (p, pn)
@@ -461,8 +491,10 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                                                 e, pn, sp, I, nseg1, stride_w13e, stride_w13n,
                                                 stride_s13e, stride_s13n, IS_NV, BN1, num_warps)
             x_rows = xp_ptr + t.to(gl.int64) * stride_xt + sp * nseg1 * 128 + m * 0
+            _stamp(stamps_ptr, tile, 2, num_warps)
             acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, col,
                                    nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps)
+            _stamp(stamps_ptr, tile, 3, num_warps)
             gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV)
             up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV)
             if SPLIT1 > 1:
@@ -490,6 +522,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         if last:
             gl.thread_barrier()                   # every thread's act stores, then one release
             gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
+        _stamp(stamps_ptr, tile, 4, num_warps)
     else:
         d = tile - n_gu
         sp = d % SPLIT2
@@ -506,9 +539,11 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             if PREFETCH:
                 _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
             _wait_count(ctr_ptr + 1 + p, n_tiles1)
+            _stamp(stamps_ptr, tile, 2, num_warps)
             a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
             acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, col, nseg2,
                                   IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps)
+            _stamp(stamps_ptr, tile, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
             gl.store(ypair_ptr + (sp * P + p).to(gl.int64) * stride_y + offs_n[:, None] + m[None, :] * 0,
@@ -525,6 +560,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                                      mask=live, other=0.0, cache_modifier=".cg")
             gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_n[:, None],
                      total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+        _stamp(stamps_ptr, tile, 4, num_warps)
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
@@ -655,8 +691,13 @@ def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
     grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
+    stamps = counters
+    if TIMELINE:
+        stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
+        _LAST_TIMELINE[:] = [stamps, P * (I // BN1) * split1]
     _decode_kernel[grid](
-        xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters, P, T,
+        xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters,
+        stamps, P, T,
         ids.shape[1], I, H, xp.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         act.stride(0), part.stride(0), ypair.stride(0), out.stride(0),
@@ -665,3 +706,12 @@ def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH, ASM=base.FASTDEC_ASM,
         num_warps=num_warps)
     return out
+
+
+def timeline() -> tuple[torch.Tensor, int]:
+    """TIMELINE: the last fused launch's stamps, int64 [tiles, 8] (columns: TIMELINE_POINTS;
+    ns, but "sm"; 0 where a tile skipped a point), and how many of the tiles are gate/up."""
+    if not TIMELINE or not _LAST_TIMELINE:
+        raise RuntimeError("timeline: set DSV4LAB_MOE_TIMELINE=1 before importing "
+                           "dsv4lab.kernels.moe_mma2, then run a FUSED launch")
+    return _LAST_TIMELINE[0], _LAST_TIMELINE[1]

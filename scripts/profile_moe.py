@@ -1,6 +1,11 @@
 """Where a fused_moe call's GPU time goes, kernel by kernel (torch.profiler, CUDA activity).
 
     python scripts/profile_moe.py [--tokens 1 64] [--reps 20]
+    python scripts/profile_moe.py --timeline      # inside the T = 1 one-launch decode
+
+``--timeline``: the table's T = 1 config (kernels/moe_mma2.py's FUSED launch) with each
+tile's %globaltimer stamps (moe_mma2.TIMELINE_POINTS): when the gate/up and down tiles
+start, wait, loop and end, and how many run at once over the launch.
 
 Flash shape (E 256, H 4096, I 2048, top-6), random MXFP4 experts as in ``dsv4lab bench moe``;
 one table per (backend/variant, T): each kernel's total GPU time over ``reps`` calls, its share,
@@ -10,7 +15,12 @@ benchmark (CUDA-graph timing, recorded rows) stays ``dsv4lab bench moe``.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections import defaultdict
+
+if "--timeline" in sys.argv:      # read when kernels/moe_mma2.py is imported
+    os.environ["DSV4LAB_MOE_TIMELINE"] = "1"
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,7 +49,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", nargs="*", default=None, help="names to profile (default: all)")
+    ap.add_argument("--timeline", action="store_true", help="stamps inside the T = 1 fused launch")
     args = ap.parse_args()
+    if args.timeline:
+        return fused_timeline()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
@@ -64,6 +77,63 @@ def main() -> None:
             print(f"T={T} {name}: {tot / args.reps:.1f} us a call (GPU kernel time)")
             for kname, t in sorted(times.items(), key=lambda kv: -kv[1]):
                 print(f"    {t / args.reps:9.1f} us  {100 * t / tot:5.1f}%  {kname[:90]}")
+
+
+def fused_timeline(reps: int = 5) -> None:
+    """Print the T = 1 fused launch's timeline (median over ``reps`` calls of each figure)."""
+    import statistics
+
+    from dsv4lab.kernels import moe_mma2
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
+    ex = _random_experts(E, H, I, "mxfp4", dev, gen)
+    ids, w = route(torch.randn(1, E, device=dev, generator=gen), None, topk=k)
+    x = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
+    figures = defaultdict(list)
+    for rep in range(reps + 1):
+        fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt="mxfp4",
+                  swiglu_limit=10.0, backend="triton")
+        torch.cuda.synchronize()
+        st, n_gu = moe_mma2.timeline()
+        st = st.cpu().double()
+        if rep == 0:
+            continue                            # compile and first touch
+        t0 = st[:, 0].min()
+        us = lambda v: float(v) / 1e3           # noqa: E731
+        gu, dn = st[:n_gu], st[n_gu:]
+        end = lambda a: a[:, 4]                 # noqa: E731
+        figures["launch span"].append(us(end(st).max() - t0))
+        figures["gate/up: last start"].append(us(gu[:, 0].max() - t0))
+        figures["gate/up: last end"].append(us(end(gu).max() - t0))
+        figures["gate/up: tile median"].append(us((end(gu) - gu[:, 0]).median()))
+        figures["gate/up: ticket median"].append(us((gu[:, 1] - gu[:, 0]).median()))
+        live = gu[:, 2] > 0
+        figures["gate/up: setup median"].append(us((gu[live, 2] - gu[live, 1]).median()))
+        figures["gate/up: loop median"].append(us((gu[live, 3] - gu[live, 2]).median()))
+        figures["gate/up: after loop median"].append(us((gu[live, 4] - gu[live, 3]).median()))
+        live = dn[:, 2] > 0
+        figures["down: first start"].append(us(dn[:, 0].min() - t0))
+        figures["down: last start"].append(us(dn[:, 0].max() - t0))
+        figures["down: first loop start"].append(us(dn[live, 2].min() - t0))
+        figures["down: last end"].append(us(end(dn).max() - t0))
+        figures["down: wait median"].append(us((dn[live, 2] - dn[live, 1]).median()))
+        figures["down: loop median"].append(us((dn[live, 3] - dn[live, 2]).median()))
+        figures["down: after loop median"].append(us((dn[live, 4] - dn[live, 3]).median()))
+        figures["SMs used"].append(float(st[:, 5].unique().numel()))
+        span = float(end(st).max() - t0)
+        bins = 12
+        conc = []
+        for b in range(bins):
+            tb = t0 + span * (b + 0.5) / bins
+            conc.append(int(((st[:, 0] <= tb) & (end(st) > tb)).sum()))
+        figures["tiles running at 1/12 .. 12/12 of the span"].append(conc)
+    print(f"T = 1 fused decode, {st.shape[0]} tiles ({n_gu} gate/up), median of {reps} calls:")
+    for name, vals in figures.items():
+        if isinstance(vals[0], list):
+            print(f"  {name}: {[int(statistics.median(c)) for c in zip(*vals)]}")
+        else:
+            print(f"  {name:<28} {statistics.median(vals):8.2f}" + ("" if name == "SMs used" else " us"))
 
 
 if __name__ == "__main__":
