@@ -203,7 +203,7 @@ CANDIDATES = [
     _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=4, NSPS=2, num_warps=2)),
     # timed at 65c3d15 (T = 1): #111 59.6 / 59.3 us (MXFP4 / NVFP4, promoted), #110 59.3 / 60.6,
     # #109 59.0 / 63.8, #113 62.2. The timeline of #111 (scripts/profile_moe.py --timeline at
-    # 5b0a3f5): 5 tiles an SM (shared memory: 38 KB a tile), 10 warps, the loop at ~2 TB/s.
+    # 47e7f50): 5 tiles an SM (shared memory: 38 KB a tile), 10 warps, the loop at ~2 TB/s.
     # Smaller rings, more tiles an SM (#117-#122)
     _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2, num_warps=2)),
     _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=1, num_warps=2)),
