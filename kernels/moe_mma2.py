@@ -36,10 +36,25 @@ E4M3 scales exact in fp16), so the numbers are the same but for the summation or
 Measured (H200, `dsv4lab bench moe` rows at 41566e0 and 7cb4e2c): the default at T = 64
 (160 experts hit), MXFP4 915.8 / 915.0 us = 0.551 of the FP4-bytes roofline against 1017.0 /
 1028.8 us for the Triton kernels' former default in the same runs; NVFP4 944.4 / 953.4 us.
-At T = 1 (6 experts) slower than the Triton kernels (70.6 against 67.6 us): there each
-kernel's ramp, not the instructions a byte, sets the time, so the table keeps Triton's.
 Offline sm_90 SASS of the gate/up loop at 128 rows a program: ~6.3 instructions a weight
-byte (decode 4.5, 32 HMMA a 128-byte step), against ~9 for the Triton kernel.
+byte (decode 4.5, 32 HMMA a 128-byte step), against ~9 for the Triton kernel. The grouped
+launches at T = 1 (6 experts) were slower than the Triton kernels (70.6 against 67.6 us).
+
+The one-launch decode (``FUSED``, :func:`_decode_kernel`, up to BM tokens; the table's T = 1
+row). Grouping, the SwiGLU sum, the combine and four of the six launches go: every (token,
+slot) pair is its own block (at decode the pairs rarely share an expert), the token in column
+t of the mma tile; tiles are handed out by a ticket counter, all gate/up tiles before any down
+tile, so a tile that waits (a down tile, for its pair's activations) only ever waits for tiles
+already running; split-K slices (fp32 partials) and the pairs' down rows are summed in a fixed
+order by whichever tile of the group finishes last (an acq_rel counter), so two calls give the
+same bits; a down tile asks the L2 for its weight bytes before it waits. H200, `dsv4lab bench
+moe` rows at 194a2e6 (two runs): T = 1 59.0 / 59.0 us (MXFP4, 0.32 of the roofline), 58.9 /
+59.0 (NVFP4), against 68.2 / 68.3 for the Triton kernels' six launches. Where its time goes
+(scripts/profile_moe.py --timeline at 47e7f50, and a one-off Nsight Compute reading): 3072
+tiles, five an SM (38 KB of shared memory each), gate/up done 34.6 us after the launch
+starts, the last down tile 48.9 us; each scheduler issues every other cycle with 2.4 warps on
+it. Smaller rings (more tiles an SM), other split and tile sizes all land at 59-65 us
+(scripts/tune_moe.py round 11): the decode's instructions a byte, not the launches, bound T = 1.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

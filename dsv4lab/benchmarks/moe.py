@@ -4,7 +4,8 @@
 :func:`dsv4lab.ops.route` on random logits (realistic spread of experts). Rows:
 
 - ``triton`` with MXFP4 and with NVFP4 experts (CUDA-graph timed: the decode path never
-  syncs with the host);
+  syncs with the host): kernels/moe.py's table, which on sm_80+ GPUs runs
+  kernels/moe_mma2.py at T = 1 (its one-launch decode) and T = 64;
 - ``torch_ref``: the reference backend (dequantise each expert hit to fp32, matmul);
 - ``torch_bf16``: "just dequantise at load": bf16 weights, a per-expert bf16 matmul loop.
 
