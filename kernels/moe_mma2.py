@@ -37,7 +37,10 @@ Measured (H200, `dsv4lab bench moe` rows at 41566e0 and 7cb4e2c): the default at
 (160 experts hit), MXFP4 915.8 / 915.0 us = 0.551 of the FP4-bytes roofline against 1017.0 /
 1028.8 us for the Triton kernels' former default in the same runs; NVFP4 944.4 / 953.4 us.
 Offline sm_90 SASS of the gate/up loop at 128 rows a program: ~6.3 instructions a weight
-byte (decode 4.5, 32 HMMA a 128-byte step), against ~9 for the Triton kernel. The grouped
+byte (decode 4.5, 32 HMMA a 128-byte step), against ~9 for the Triton kernel. On sm_89 and
+newer the decode is CVT8_ASM (the e5m2 conversion places the bits: 15 instructions per 4
+bytes against FASTDEC's 19, the same fp16 values): offline sm_90 SASS of the T = 1 fused
+launch, gate/up loop 852 -> 724 instructions, down loop 481 -> 416. The grouped
 launches at T = 1 (6 experts) were slower than the Triton kernels (70.6 against 67.6 us).
 
 The one-launch decode (``FUSED``, :func:`_decode_kernel`, up to BM tokens; the table's T = 1
@@ -83,6 +86,48 @@ def _decode(p, mexp, ASM: gl.constexpr):
     ``value * 2**-14 * mult``: FASTDEC's asm, 4 bytes a call."""
     return gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [p, mexp],
                                      dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+
+# CVT8 (sm_89 and newer): FASTDEC's decode with the hardware's fp8 -> fp16 conversion doing
+# the bit placement. An E2M1 nibble s e1 e0 m written as the e5m2 byte s 000 e1 e0 m 0 reads
+# ``value * 2**-14`` exactly (e1 e0 the low exponent bits, bias 15; e = 0 lands on e5m2's
+# subnormals as E2M1's does), the same fp16 FASTDEC builds, so the two decodes agree bit for
+# bit. Per 4 packed bytes: the low nibbles' bytes (shl, shl, and, lop3), the high nibbles'
+# (shr, and, lop3), four ``cvt.rn.f16x2.e5m2x2`` and the four block-scale multiplies: 15
+# instructions against FASTDEC's 19. Outputs as FASTDEC's ($0, $1: low nibbles of bytes 0-1,
+# 2-3; $2, $3: high nibbles; $5, $6 the multipliers of bytes 0-1 and 2-3).
+CVT8_ASM = """
+{
+.reg .b32 u, v, l, h;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 u, $4, 4;
+shl.b32 v, $4, 1;
+and.b32 v, v, 0x0E0E0E0E;
+lop3.b32 l, u, v, 0x80808080, 0xEC;
+shr.b32 u, $4, 3;
+and.b32 u, u, 0x0E0E0E0E;
+lop3.b32 h, $4, u, 0x80808080, 0xEC;
+mov.b32 {l0, l1}, l;
+mov.b32 {h0, h1}, h;
+cvt.rn.f16x2.e5m2x2 u, l0;
+mul.rn.f16x2 $0, u, $5;
+cvt.rn.f16x2.e5m2x2 u, l1;
+mul.rn.f16x2 $1, u, $6;
+cvt.rn.f16x2.e5m2x2 u, h0;
+mul.rn.f16x2 $2, u, $5;
+cvt.rn.f16x2.e5m2x2 u, h1;
+mul.rn.f16x2 $3, u, $6;
+}
+"""
+
+
+def _decode_asm(device, cvt8=None) -> str:
+    """CVT8_ASM where the GPU converts fp8 (sm_89+) unless ``cvt8`` is False, else FASTDEC's."""
+    from dsv4lab.kernels import moe as base
+    able = torch.cuda.get_device_capability(device) >= (8, 9)
+    if cvt8 and not able:
+        raise ValueError("moe_mma2: CVT8 needs sm_89 or newer (cvt.f16x2.e5m2x2)")
+    return CVT8_ASM if (able if cvt8 is None else cvt8) else base.FASTDEC_ASM
 
 
 @triton.constexpr_function
@@ -579,7 +624,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH")
+               "FUSED", "PREFETCH", "CVT8")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -601,11 +646,12 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True):
+              PREFETCH=True, CVT8=None):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
     (:func:`_decode_kernel`; STAGES2 unused, PREFETCH: the down tiles' L2 prefetch).
+    ``CVT8``: the decode (None: CVT8_ASM on sm_89+, FASTDEC's elsewhere; True / False force).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -634,7 +680,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if FUSED and T <= int(BM):
         return _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS,
-                             NSPS if NSPS2 is None else NSPS2, PREFETCH, num_warps)
+                             NSPS if NSPS2 is None else NSPS2, PREFETCH, num_warps, CVT8)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
     nsps1 = base._pick_split(H // 128, NSPS)
@@ -652,7 +698,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    asm = base.FASTDEC_ASM
+    asm = _decode_asm(dev, CVT8)
     _gate_up_kernel[(nbm, triton.cdiv(I, BN1), split1)](
         xp, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
         I, topk, H // 128 // split1, xp.stride(0), w13.stride(0), w13.stride(1),
@@ -679,7 +725,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 
 def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
-                  swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS1, NSPS2, PREFETCH, num_warps):
+                  swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS1, NSPS2, PREFETCH, num_warps,
+                  CVT8):
     """x's copy in sigma's order, then :func:`_decode_kernel` (T <= BM tokens)."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -718,7 +765,7 @@ def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w
         act.stride(0), part.stride(0), ypair.stride(0), out.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
-        STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH, ASM=base.FASTDEC_ASM,
+        STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH, ASM=_decode_asm(dev, CVT8),
         num_warps=num_warps)
     return out
 

@@ -302,7 +302,8 @@ def test_triton_decode32_mixed_scales(fmt, cfg):
 # times every multiplier the kernel can produce (MXFP4: 0 and 2**-14..2**15; NVFP4: every
 # finite E4M3 scale), i.e. exactly what _e2m1_lo(p) * mexp / _e2m1_hi(p) * mexp compute.
 def _ptx_run(asm, inputs):
-    """Run FASTDEC_ASM's straight-line PTX on numpy uint32 arrays; inputs maps $n -> array."""
+    """Run the decode asm's straight-line PTX (FASTDEC_ASM, moe_mma2.CVT8_ASM) on numpy uint32
+    arrays; inputs maps $n -> array."""
     import re
     import numpy as np
     regs = {f"${k}": np.asarray(v, dtype=np.uint32) for k, v in inputs.items()}
@@ -319,11 +320,21 @@ def _ptx_run(asm, inputs):
         hi = (x >> 16).astype(np.uint16).view(np.float16)
         return lo, hi
 
+    def e5m2_to_f16_bits(b):
+        b = torch.from_numpy(np.asarray(b, dtype=np.uint8).copy())
+        return b.view(torch.float8_e5m2).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if op == "mov.b32" and rest.startswith("{"):          # unpack: {lo16, hi16}, r32
+            halves, srcreg = rest[1:].split("}")
+            lo16, hi16 = (h.strip() for h in halves.split(","))
+            word = val(srcreg.strip(" ,"))
+            regs[lo16], regs[hi16] = word & 0xFFFF, word >> 16
+            continue
         args = [a.strip() for a in rest.split(",")]
         d, src = args[0], [val(a) for a in args[1:]]
         if op == "and.b32":
@@ -350,24 +361,29 @@ def _ptx_run(asm, inputs):
             for idx in range(8):
                 if lut >> idx & 1:
                     r |= ((a if idx & 4 else ~a) & (b if idx & 2 else ~b) & (c if idx & 1 else ~c))
+        elif op == "cvt.rn.f16x2.e5m2x2":    # two e5m2 bytes (low one -> low half), exact
+            a = np.asarray(src[0], dtype=np.uint32)
+            r = (e5m2_to_f16_bits(a & 0xFF).astype(np.uint32)
+                 | (e5m2_to_f16_bits(a >> 8).astype(np.uint32) << 16))
         elif op == "mul.rn.f16x2":
             (alo, ahi), (blo, bhi) = f16(src[0]), f16(src[1])
             r = ((alo * blo).view(np.uint16).astype(np.uint32)
                  | ((ahi * bhi).view(np.uint16).astype(np.uint32) << 16))
         else:
-            raise AssertionError(f"FASTDEC_ASM uses {op!r}: teach _ptx_run its semantics")
+            raise AssertionError(f"the asm uses {op!r}: teach _ptx_run its semantics")
         regs[d] = np.asarray(r).astype(np.uint32)
     return regs
 
 
-def _fastdec_emulated(packed, mult):
+def _fastdec_emulated(packed, mult, asm=None):
     """packed uint8 [N] (N % 4 == 0), fp16 multipliers [N] -> (lo, hi) fp16 bits [N] as the
-    inline asm computes them, 4 bytes a call ($4: bytes, $5/$6: multipliers of 0-1 / 2-3)."""
+    inline asm (FASTDEC's unless given) computes them, 4 bytes a call ($4: bytes, $5/$6:
+    multipliers of 0-1 / 2-3)."""
     import numpy as np
     from dsv4lab.kernels import moe as kmoe
     words = packed.numpy().astype(np.uint8).view("<u4")
     m = mult.numpy().astype(np.float16).view(np.uint16).astype(np.uint32).reshape(-1, 4)
-    regs = _ptx_run(kmoe.FASTDEC_ASM, {4: words, 5: m[:, 0] | m[:, 1] << 16, 6: m[:, 2] | m[:, 3] << 16})
+    regs = _ptx_run(asm or kmoe.FASTDEC_ASM, {4: words, 5: m[:, 0] | m[:, 1] << 16, 6: m[:, 2] | m[:, 3] << 16})
     out = []
     for pair in ((0, 1), (2, 3)):                      # lo: $0 $1, hi: $2 $3
         w = np.stack([regs[f"${pair[0]}"], regs[f"${pair[1]}"]], axis=1)   # [N/4, 2] words
@@ -376,8 +392,11 @@ def _fastdec_emulated(packed, mult):
     return out
 
 
+@pytest.mark.parametrize("asm", ["FASTDEC", "CVT8"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_fastdec_ptx_bits_equal_reference_decode(fmt):
+def test_fastdec_ptx_bits_equal_reference_decode(fmt, asm):
+    # FASTDEC (kernels/moe.py, every GPU) and CVT8 (kernels/moe_mma2.py, sm_89+: the e5m2
+    # conversion places the bits) must decode identically
     if fmt == "mxfp4":        # 2**(e) for e = -14..15 as the kernel builds it, and the flush 0
         mults = torch.tensor([0.0] + [2.0 ** e for e in range(-14, 16)])
     else:                     # every finite E4M3 block scale (NaN bytes 0x7F, 0xFF excluded)
@@ -396,7 +415,11 @@ def test_fastdec_ptx_bits_equal_reference_decode(fmt):
     w16 = (v * 2.0 ** -14).to(torch.float16).repeat(mults.numel(), 1)[perm]
     want_lo = (w16[:, 0] * mult).view(torch.int16)
     want_hi = (w16[:, 1] * mult).view(torch.int16)
-    got_lo, got_hi = _fastdec_emulated(packed, mult)
+    if asm == "CVT8":
+        from dsv4lab.kernels import moe_mma2
+        got_lo, got_hi = _fastdec_emulated(packed, mult, moe_mma2.CVT8_ASM)
+    else:
+        got_lo, got_hi = _fastdec_emulated(packed, mult)
     assert torch.equal(got_lo, want_lo), f"lo nibbles: {(got_lo != want_lo).sum()} mismatches"
     assert torch.equal(got_hi, want_hi), f"hi nibbles: {(got_hi != want_hi).sum()} mismatches"
     assert (want_lo == torch.tensor(-32768, dtype=torch.int16)).any()   # -0 kept (code 8)
@@ -1020,6 +1043,28 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert_close(out, ref, torch.bfloat16)
     assert torch.equal(run(), out)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("launch", [dict(), dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2,
+                                                 STAGES=3, NSPS=2, num_warps=2)])
+def test_gpu_mma2_cvt8_decode_is_bitwise_fastdec(fmt, launch):
+    # the e5m2-conversion decode (sm_89+) and FASTDEC give the same bits, grouped and fused;
+    # where the GPU cannot convert fp8, asking for it is refused with the reason
+    from dsv4lab.kernels import moe_mma2
+    T = 1 if launch else 40
+    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=5)
+    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
+    fast = moe_mma2.fused_moe(*args, fmt=fmt, swiglu_limit=10.0, CVT8=False, **kw, **launch)
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="CVT8 needs sm_89"):
+            moe_mma2.fused_moe(*args, fmt=fmt, CVT8=True, **kw, **launch)
+        return
+    cvt8 = moe_mma2.fused_moe(*args, fmt=fmt, swiglu_limit=10.0, CVT8=True, **kw, **launch)
+    assert torch.equal(cvt8, fast)
+    assert_close(cvt8, ref, torch.bfloat16)
 
 
 @gpu

@@ -24,7 +24,7 @@ import torch
 from dsv4lab import bench, runtime
 from dsv4lab.ops import fused_moe, route
 from dsv4lab.ops.moe import moe_dense
-from dsv4lab.kernels.moe import PLAIN, config_for
+from dsv4lab.kernels.moe import _MMA2_T1, _MMA2_T64, PLAIN, config_for
 from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_quantize
 
 FLASH = dict(E=256, H=4096, I=2048, topk=6)
@@ -144,6 +144,10 @@ VARIANTS = [
     # Session 9: moe_mma2's one-launch decode (FUSED: x's copy, then everything in one
     # ticketed launch), at its best T = 1 layout in tune_moe round 11
     ("mma2_fused_t1", dict(PLAIN, MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=4))),
+    # the table's MMA2 entries with FASTDEC's decode instead of the e5m2 conversion (CVT8,
+    # the default on sm_89+): what the cheaper decode is worth
+    ("mma2_fastdec_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, CVT8=False))),
+    ("mma2_fastdec_t64", dict(PLAIN, MMA2=dict(_MMA2_T64, CVT8=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -153,7 +157,8 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "triton_fd_xpre_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre_w16_bk128_s2": (1,),
                 "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
                 "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
-                "mma2_t1": (1,), "mma2_fused_t1": (1,)}
+                "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
+                "mma2_fastdec_t64": (64,)}
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
