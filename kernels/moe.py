@@ -1024,6 +1024,8 @@ _MMA2_T64 = dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2)
 # 2-warp programs of 32 rows. H200, scripts/tune_moe.py round 11 (#111, printout; the recorded
 # evidence is `dsv4lab bench moe`): MXFP4 59.6 us, NVFP4 59.3 us at T = 1, against 67.8 for
 # _FX128_S2 in the bench; at T = 8 the fused launch was slower (338.6 against 317.5 us).
+# Both MMA2 entries decode with moe_mma2.CVT8_ASM on sm_89+ (rows at 8fdc283: T = 64 MXFP4
+# 828.5 / 823.2 us = 0.61, T = 1 57.0 / 56.4 us = 0.33).
 _MMA2_T1 = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
                 num_warps=2)
 CONFIGS = [

@@ -40,7 +40,10 @@ Offline sm_90 SASS of the gate/up loop at 128 rows a program: ~6.3 instructions 
 byte (decode 4.5, 32 HMMA a 128-byte step), against ~9 for the Triton kernel. On sm_89 and
 newer the decode is CVT8_ASM (the e5m2 conversion places the bits: 15 instructions per 4
 bytes against FASTDEC's 19, the same fp16 values): offline sm_90 SASS of the T = 1 fused
-launch, gate/up loop 852 -> 724 instructions, down loop 481 -> 416. The grouped
+launch, gate/up loop 852 -> 724 instructions, down loop 481 -> 416; `dsv4lab bench moe` rows
+at 8fdc283 (two runs): T = 64 MXFP4 828.5 / 823.2 us = 0.61 of the roofline against 915.0 /
+917.3 with FASTDEC (``mma2_fastdec_t64``), NVFP4 886.0 / 885.1; T = 1 57.0 / 56.4 against
+59.4 / 59.2. The grouped
 launches at T = 1 (6 experts) were slower than the Triton kernels (70.6 against 67.6 us).
 
 The one-launch decode (``FUSED``, :func:`_decode_kernel`, up to BM tokens; the table's T = 1
@@ -51,8 +54,9 @@ tile, so a tile that waits (a down tile, for its pair's activations) only ever w
 already running; split-K slices (fp32 partials) and the pairs' down rows are summed in a fixed
 order by whichever tile of the group finishes last (an acq_rel counter), so two calls give the
 same bits; a down tile asks the L2 for its weight bytes before it waits. H200, `dsv4lab bench
-moe` rows at 194a2e6 (two runs): T = 1 59.0 / 59.0 us (MXFP4, 0.32 of the roofline), 58.9 /
-59.0 (NVFP4), against 68.2 / 68.3 for the Triton kernels' six launches. Where its time goes
+moe` rows at 194a2e6 (two runs, FASTDEC's decode): T = 1 59.0 / 59.0 us (MXFP4, 0.32 of the
+roofline), 58.9 / 59.0 (NVFP4), against 68.2 / 68.3 for the Triton kernels' six launches; with
+CVT8 (rows at 8fdc283) 57.0 / 56.4 us, 0.33. Where its time goes
 (scripts/profile_moe.py --timeline at 47e7f50, and a one-off Nsight Compute reading): 3072
 tiles, five an SM (38 KB of shared memory each), gate/up done 34.6 us after the launch
 starts, the last down tile 48.9 us; each scheduler issues every other cycle with 2.4 warps on
