@@ -492,6 +492,23 @@ def _stamp(stamps, tile, point: gl.constexpr, num_warps: gl.constexpr):
 
 
 @gluon.jit
+def _pair_tile(ptr, row, stride, offs_n, m):
+    """[BN, BM] pointers to columns offs_n of row ``row`` of a [rows, stride] buffer, the same
+    row for every token column (a pair's block holds one token; masks pick its column)."""
+    return ptr + row.to(gl.int64) * stride + offs_n[:, None] + m[None, :] * 0
+
+
+@gluon.jit
+def _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit,
+               HAS_LIMIT: gl.constexpr):
+    """act[p] = the SwiGLU of token column ``col`` of gate and up, in sigma's order, fp16
+    times 2**-8 (as the down tiles read it)."""
+    gl.store(_pair_tile(act_ptr, p, stride_act, _seg_order(offs_n), m),
+             (_swiglu(gate, up, swiglu_limit, HAS_LIMIT) * 0.00390625).to(gl.float16),
+             mask=col[None, :])
+
+
+@gluon.jit
 def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
                    act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H,
                    stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
@@ -560,13 +577,11 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV)
             up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV)
             if SPLIT1 > 1:
-                part = part_ptr + (sp * P + p).to(gl.int64) * stride_part + offs_n[:, None] + m[None, :] * 0
+                part = _pair_tile(part_ptr, sp * P + p, stride_part, offs_n, m)
                 gl.store(part, gate, mask=col[None, :])
                 gl.store(part + I, up, mask=col[None, :])
             else:
-                gl.store(act_ptr + p.to(gl.int64) * stride_act + (_seg_order(offs_n)[:, None] + m[None, :] * 0),
-                         (_swiglu(gate, up, swiglu_limit, HAS_LIMIT) * 0.00390625).to(gl.float16),
-                         mask=col[None, :])
+                _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         last = True
         if SPLIT1 > 1:
             gl.thread_barrier()
@@ -575,12 +590,10 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 gate = gl.zeros([BN1, BM], gl.float32, layout=MMA)
                 up = gl.zeros([BN1, BM], gl.float32, layout=MMA)
                 for q in range(SPLIT1):
-                    part = part_ptr + (q * P + p).to(gl.int64) * stride_part + offs_n[:, None] + m[None, :] * 0
+                    part = _pair_tile(part_ptr, q * P + p, stride_part, offs_n, m)
                     gate += gl.load(part, mask=col[None, :], other=0.0, cache_modifier=".cg")
                     up += gl.load(part + I, mask=col[None, :], other=0.0, cache_modifier=".cg")
-                gl.store(act_ptr + p.to(gl.int64) * stride_act + (_seg_order(offs_n)[:, None] + m[None, :] * 0),
-                         (_swiglu(gate, up, swiglu_limit, HAS_LIMIT) * 0.00390625).to(gl.float16),
-                         mask=col[None, :])
+                _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         if last:
             gl.thread_barrier()                   # every thread's act stores, then one release
             gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
@@ -608,8 +621,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             _stamp(stamps_ptr, tile, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
-            gl.store(ypair_ptr + (sp * P + p).to(gl.int64) * stride_y + offs_n[:, None] + m[None, :] * 0,
-                     y, mask=col[None, :])
+            gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_n, m), y, mask=col[None, :])
         gl.thread_barrier()
         done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
         if done == P * SPLIT2 - 1:                # the last of this row tile's down tiles
@@ -680,20 +692,23 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ids = topk_ids.contiguous()
     tw = topk_weights.reshape(-1).contiguous()
     if FUSED and T <= int(BM):
-        return _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
-                             w2_global, swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS,
-                             NSPS if NSPS2 is None else NSPS2, PREFETCH, num_warps, CVT8)
-    sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
-    nbm = block_expert.numel()
+        for name, v, n in (("BN1", BN1, I), ("BN2", BN2, H)):
+            if n % v:
+                raise ValueError(f"moe_mma2: {name} ({v}) must divide {n}")
     nsps1 = base._pick_split(H // 128, NSPS)
     nsps2 = base._pick_split(I // 128, NSPS if NSPS2 is None else NSPS2)
     split1 = base._pick_split(H // 128 // nsps1, SPLIT1)
     split2 = base._pick_split(I // 128 // nsps2, SPLIT2)
-    xp = torch.empty(T, H, dtype=torch.float16, device=dev)
+    xp = torch.empty(T, H, dtype=torch.float16, device=dev)     # x in sigma's order (P > 0: T > 0)
     BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
-    if T:
-        base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
-                                                           BH=BX, PLANES=2, SEG=True, num_warps=4)
+    base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
+                                                       BH=BX, PLANES=2, SEG=True, num_warps=4)
+    if FUSED and T <= int(BM):
+        return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
+                             w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8)
+    sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
+    nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
     part = torch.empty(split1, P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
     ypair = torch.empty(split2, P, H, dtype=torch.float32, device=dev)
@@ -726,30 +741,18 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     return out
 
 
-def _fused_decode(x, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
-                  swiglu_limit, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS1, NSPS2, PREFETCH, num_warps,
-                  CVT8):
-    """x's copy in sigma's order, then :func:`_decode_kernel` (T <= BM tokens)."""
-    from dsv4lab.kernels import moe as base
-    T, H = x.shape
+def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
+                  swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
+                  PREFETCH, num_warps, CVT8):
+    """:func:`_decode_kernel` on x's copy ``xp`` (T <= BM tokens; the splits already picked)."""
+    H = xp.shape[1]
     I = w13.shape[1] // 2
     P = ids.numel()
-    dev = x.device
-    for name, v, n in (("BN1", BN1, I), ("BN2", BN2, H)):
-        if n % v:
-            raise ValueError(f"moe_mma2: {name} ({v}) must divide {n}")
-    nsps1 = base._pick_split(H // 128, NSPS1)
-    nsps2 = base._pick_split(I // 128, NSPS2)
-    split1 = base._pick_split(H // 128 // nsps1, SPLIT1)
-    split2 = base._pick_split(I // 128 // nsps2, SPLIT2)
-    xp = torch.empty(T, H, dtype=torch.float16, device=dev)
-    BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
-    base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
-                                                       BH=BX, PLANES=2, SEG=True, num_warps=4)
+    dev = xp.device
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
     part = torch.empty(split1 * P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
     ypair = torch.empty(split2 * P, H, dtype=torch.float32, device=dev)
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    out = torch.empty(T, H, dtype=out_dtype, device=dev)
     # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see _decode_kernel)
     counters = torch.zeros(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
