@@ -977,6 +977,20 @@ def test_xpre_seg_order(H):
     assert torch.equal(xk, want)
 
 
+def _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed):
+    """A drawn moe_mma2 case on the GPU: inputs, routing, the fp32 torch reference and the
+    NVFP4 globals expanded to [E] device tensors (what the kernels read)."""
+    k = min(k, E)
+    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.05)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).cuda().to(torch.bfloat16)
+    ids, w = draw_routing(T, E, k, routing, g)
+    ids, w = ids.cuda(), w.cuda()
+    ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
+    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    return x, ex, ids, w, ref, kw
+
+
 @gpu
 @pytest.mark.gpu
 @settings(max_examples=12, deadline=None)
@@ -993,14 +1007,7 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
     # (skewed: every token on one expert), -1 slots, both formats, with and without the clamp,
     # split-K, several segments a stage, 8 warps
     from dsv4lab.kernels import moe_mma2
-    k = min(k, E)
-    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.05)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).cuda().to(torch.bfloat16)
-    ids, w = draw_routing(T, E, k, routing, g)
-    ids, w = ids.cuda(), w.cuda()
-    ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
-    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}  # [E] globals
+    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
     out = moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                              fmt=fmt, swiglu_limit=limit, **kw, **launch)
     assert out.shape == (T, H) and out.dtype == x.dtype
@@ -1023,18 +1030,11 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
     # slices summed by the last one, the last down tile of a row range summing the pairs)
-    # against the fp32 reference: one token
-    # to 8 (and 9-11, which take the grouped path), every token on one expert, -1 slots, both
-    # formats, with and without the clamp; two calls give the same bits (fixed sum order)
+    # against the fp32 reference: one token to 8 (and 9-11, which take the grouped path),
+    # every token on one expert, -1 slots, both formats, with and without the clamp; two calls
+    # give the same bits (fixed sum order)
     from dsv4lab.kernels import moe_mma2
-    k = min(k, E)
-    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.05)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).cuda().to(torch.bfloat16)
-    ids, w = draw_routing(T, E, k, routing, g)
-    ids, w = ids.cuda(), w.cuda()
-    ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
-    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
 
     def run():
         return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
