@@ -44,6 +44,11 @@ def _c(**kw):
     return dict(BASE, **kw)
 
 
+def _fused(**launch):
+    """A candidate running kernels/moe_mma2.py's one-launch decode with these launch keys."""
+    return _c(MMA2=dict(FUSED=True, **launch))
+
+
 # priority order: the most informative first (the budget may cut the tail)
 CANDIDATES = [
     # XPRE (pre-split fp16 x/act, pipelined), BK 128 (half the registers), SPLIT1 (split-K of
@@ -176,41 +181,41 @@ CANDIDATES = [
     _c(FASTDEC=True, XPRE=True, BN1=64, BN2=256, BK1=128, BK2=256, ROWMAX=True, num_warps=8),
     # round 11 (session 9), T <= 8: kernels/moe_mma2.py's one-launch decode (FUSED): x's copy,
     # then gate/up, SwiGLU, down and the pairs' sum in one ticketed launch (#97-#104)
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=3, NSPS=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=3, NSPS=2, PREFETCH=False)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=4)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=4, NSPS=1)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, STAGES=3, NSPS=2, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, STAGES=4, NSPS=2, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=128, BN2=128, STAGES=2, NSPS=2, num_warps=8)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=2, NSPS2=4)),
+    _fused(BN1=64, BN2=64, STAGES=3, NSPS=2),
+    _fused(BN1=64, BN2=64, STAGES=3, NSPS=2, PREFETCH=False),
+    _fused(BN1=64, BN2=64, STAGES=2, NSPS=4),
+    _fused(BN1=64, BN2=64, STAGES=4, NSPS=1),
+    _fused(BN1=32, BN2=32, STAGES=3, NSPS=2, num_warps=2),
+    _fused(BN1=32, BN2=32, STAGES=4, NSPS=2, num_warps=2),
+    _fused(BN1=128, BN2=128, STAGES=2, NSPS=2, num_warps=8),
+    _fused(BN1=64, BN2=64, STAGES=2, NSPS=2, NSPS2=4),
     # timed at 8b1b3ec (H200, T = 1 MXFP4): #99 best at 71.6 us, no faster than the grouped
     # kernels (6 launches): ~6 warps an SM hold too few independent chains. Split-K in the
     # same launch (#105-#110: fp32 partials, the last slice of a row tile sums them)
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=2, STAGES=2, NSPS=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, STAGES=2, NSPS=4)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1)),
+    _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=2, STAGES=2, NSPS=2),
+    _fused(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
+    _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, STAGES=2, NSPS=4),
+    _fused(BN1=64, BN2=64, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2),
+    _fused(BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1),
     # timed at a7450b5 (T = 1 MXFP4): #109 59.2, #110 59.4, #108 61.9, #106 63.3 us; T = 8:
     # 338.6 at best (#105), slower than the grouped kernels. More, smaller slices (#111-#116)
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=8, SPLIT2=8, STAGES=2, NSPS=1)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=16, SPLIT2=8, STAGES=2, NSPS=1)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=4, NSPS=2, num_warps=2)),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, num_warps=2),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=4, STAGES=3, NSPS=1, num_warps=2),
+    _fused(BN1=32, BN2=32, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=1, num_warps=2),
+    _fused(BN1=64, BN2=64, SPLIT1=8, SPLIT2=8, STAGES=2, NSPS=1),
+    _fused(BN1=64, BN2=64, SPLIT1=16, SPLIT2=8, STAGES=2, NSPS=1),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=4, NSPS=2, num_warps=2),
     # timed at 65c3d15 (T = 1): #111 59.6 / 59.3 us (MXFP4 / NVFP4, promoted), #110 59.3 / 60.6,
     # #109 59.0 / 63.8, #113 62.2. The timeline of #111 (scripts/profile_moe.py --timeline at
     # 47e7f50): 5 tiles an SM (shared memory: 38 KB a tile), 10 warps, the loop at ~2 TB/s.
     # Smaller rings, more tiles an SM (#117-#122)
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=1, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=2, NSPS=2, num_warps=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2)),
-    _c(MMA2=dict(FUSED=True, BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=2)),
-    _c(MMA2=dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=1, num_warps=2)),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2, num_warps=2),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=1, num_warps=2),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, STAGES=2, NSPS=2, num_warps=2),
+    _fused(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
+    _fused(BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=2),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=1, num_warps=2),
 ]
 
 
