@@ -680,6 +680,15 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
 
 
 @triton.jit
+def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
+    """silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u; fp32."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
                HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, PLANES: tl.constexpr = 2,
                SEG: tl.constexpr = False):
@@ -687,10 +696,7 @@ def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_lim
     column order, or (XPRE) as the down projection's pre-split fp16 operand: times 2**-8,
     column n in plane n % PLANES at n // PLANES (PLANES 2: even columns in [0, I/2), odd ones
     in [I/2, I); 4 for W16), the rounding _mac would do anyway."""
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _swiglu(gate, up, swiglu_limit, HAS_LIMIT)
     if SEG:            # kernels/moe_mma2.py's order: per 128 columns, the even ones then the odd
         col = (offs_n // 128) * 128 + (offs_n % 2) * 64 + (offs_n % 128) // 2
         tl.store(act_ptr + rows[:, None] * stride_act + col[None, :],

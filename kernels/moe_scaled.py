@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.device import sm_count
-from dsv4lab.kernels.moe import _moe_combine_kernel
+from dsv4lab.kernels.moe import _moe_combine_kernel, _swiglu
 from dsv4lab.kernels.moe_align import block_rows, moe_align
 
 # e2m1 x bf16 dot_scaled: Triton's decomposition (upcast + mma) needs an mma-capable GPU.
@@ -121,15 +121,6 @@ def _dot_operand(v, DOT_FMT: tl.constexpr):
     else:
         v = v.to(tl.bfloat16)
     return v
-
-
-@triton.jit
-def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
-    """silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u; fp32."""
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, swiglu_limit)
-        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
