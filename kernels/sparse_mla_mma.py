@@ -89,6 +89,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4lab.kernels.device import sm_count
 
@@ -312,8 +313,10 @@ def _sparse_mla_mma_kernel(
     FP8: tl.constexpr, FP8_HW: tl.constexpr, BF16_MATH: tl.constexpr, LAZY: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False, PIPE_GATHER: tl.constexpr = False,
-    KQ_T: tl.constexpr = False, SPLIT_QK: tl.constexpr = False,
+    KQ_T: tl.constexpr = False, SPLIT_QK: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:     # the combine (a programmatic dependent launch) may be scheduled now
+        gdc_launch_dependents()
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
     pid = tl.program_id(0)
@@ -435,8 +438,10 @@ def _sparse_mla_mma_kernel(
 @triton.jit
 def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                    HAS_SINK: tl.constexpr):
+                    HAS_SINK: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the split partials of one (query position, head): weights 2^(lse_i - max)."""
+    if PDL:     # launched ahead of the split kernel's end: wait for its partials
+        gdc_wait()
     pid = tl.program_id(0)                       # (b * S_q + s) * H + h
     bs = (pid // H).to(tl.int64)
     h = pid % H
@@ -471,10 +476,12 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
 @triton.jit
 def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr):
+                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False):
     """:func:`_combine_kernel` for BLOCK_HC heads a program: with many queries one program
     a head means thousands of programs of 4 KB each (4096 at B 64 / S_q 1), paced by how
     fast the GPU starts programs."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     n_hc = tl.cdiv(H, BLOCK_HC)
     bs = (pid // n_hc).to(tl.int64)
@@ -511,14 +518,18 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
     tl.store(lse_ptr + orow, lse, mask=h_mask)
 
 
-def combine_splits(opart, lpart, sink, out, lse, splits):
-    """Launch the split-KV combine: fp32 partials ``opart`` [B*S_q, splits, H, d_v] and
-    base-2 lse ``lpart`` [B*S_q, splits, H] -> ``out`` [B, S_q, H, d_v], ``lse`` (with the
-    sink, fp32 [H] or None). Explained in notebooks/02_mma_attention.ipynb."""
+def combine_splits(opart, lpart, sink, out, lse, splits, pdl=False):
+    """Launch the split-KV combine: partials ``opart`` [B*S_q, splits, H, d_v] (fp32, or
+    q's dtype: Config.part16) and base-2 lse ``lpart`` [B*S_q, splits, H] -> ``out`` [B,
+    S_q, H, d_v], ``lse`` (with the sink, fp32 [H] or None); ``pdl``: launched as a
+    programmatic dependent launch of the split kernel (which must have been launched with
+    its PDL flag; see :func:`pdl_ok`). Explained in notebooks/02_mma_attention.ipynb."""
     B, S_q, H, d_v = out.shape
     common = dict(DV=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
                   BLOCK_S=max(2, triton.next_power_of_2(splits)), HAS_SINK=sink is not None,
                   num_warps=4)
+    if pdl:
+        common.update(PDL=True, launch_pdl=True)
     sink = sink if sink is not None else lse
     # 8 heads a program where one a head would start thousands of tiny programs (H200, B 64
     # / S_q 1 / topk 2048: 62.9 us a call at b4e4c83 -> 61.7 at e5f938d);
@@ -559,7 +570,13 @@ class Config(NamedTuple):
     ``seesaw``: with ``ws``, the consumers own alternate tiles (full scores each) instead of
     halves of D; ``merge_pair``: with ``ws`` and exactly two split-KV ranges, the two
     programs of a query merge their partials themselves instead of the combine kernel (a
-    variant: measured slower, see kernels/sparse_mla_ws.py)."""
+    variant: measured slower, see kernels/sparse_mla_ws.py); ``part16``: split-KV partials
+    stored in q's dtype (bf16/fp16) instead of fp32, half the bytes the split programs store
+    and the combine reads (each partial rounded once more: at most half an ulp of q's dtype
+    on a normalised output, before the combine's fp32 sum); ``pdl``: the combine kernel
+    launched as a programmatic dependent launch (sm_90+; ignored elsewhere): the split
+    kernel lets it be scheduled at once, and it waits (``griddepcontrol.wait``) for the
+    split kernel's results, so its launch overlaps the split kernel's tail."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -575,6 +592,8 @@ class Config(NamedTuple):
     ws: bool = False
     seesaw: bool = False
     merge_pair: bool = False
+    part16: bool = False
+    pdl: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -706,6 +725,15 @@ VARIANTS: dict = {
     # "ws_ss_n32_b4_combine": B64 S1 64.4 us merged against 62.7 with the combine kernel
     # (B128 S2, never split: 188.5 / 188.8).
     "ws_ss_n32_b4_merge": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=True),
+    # the split-KV epilogue's bytes (B 64 / S_q 1, two ranges: 128 programs store 16 MB of
+    # fp32 partials at once, ~3.8 us on the timeline, and the combine reads them back):
+    # partials in bf16 (part16), the combine launched early (pdl), both, and the
+    # self-merging pair with bf16 partials
+    "ws_ss_n32_b4_p16": Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True),
+    "ws_ss_n32_b4_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, pdl=True),
+    "ws_ss_n32_b4_p16_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True),
+    "ws_ss_n32_b4_merge_p16": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=True,
+                                     part16=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -759,6 +787,12 @@ def workload_class(rows: int, fp8: bool) -> tuple[str, str]:
 
 def _capability(device):
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def pdl_ok(device) -> bool:
+    """Whether a programmatic dependent launch (Config.pdl) is available: sm_90 and newer,
+    not under the interpreter."""
+    return not _is_interpreter() and device.type == "cuda" and _capability(device) >= (9, 0)
 
 
 def _candidates(device, block_h):
@@ -843,6 +877,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             PIPE_GATHER=bool(cfg.pipe_gather and v_from_k),
             KQ_T=bool(cfg.kq_t and v_from_k and not (cfg.prefetch or cfg.pipe_gather or fp8)),
             SPLIT_QK=bool(cfg.split_qk and v_from_k and not (cfg.prefetch or cfg.kq_t)),
+            PDL=split and bool(cfg.pdl) and pdl_ok(dev),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is not None and config.kq_t and fp8 and not (interp or dev.type != "cuda"):
@@ -859,10 +894,13 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
                                                block_n=config.block_n, num_buf=config.num_stages,
                                                lazy=config.lazy, seesaw=config.seesaw,
-                                               merge_pair=config.merge_pair)
+                                               merge_pair=config.merge_pair,
+                                               part16=config.part16, pdl=config.pdl)
+    if split and config.part16 and q.dtype != torch.float32:
+        opart = torch.empty(opart.numel(), dtype=q.dtype, device=dev)   # launch() reads it late
     launch(config)
     if split:
-        combine_splits(opart, lpart, sink, out, lse, splits)
+        combine_splits(opart, lpart, sink, out, lse, splits, pdl=bool(config.pdl) and pdl_ok(dev))
     return out, lse
 
 

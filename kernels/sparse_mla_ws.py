@@ -138,6 +138,15 @@ def _stamp(stamps, prog, point: gl.constexpr):
 
 
 @gluon.jit
+def _launch_dependents():
+    """``griddepcontrol.launch_dependents``: a dependent grid launched with PDL may start."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r",
+                              [gl.arange(0, 128, layout=one)], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr):
     """One past the last valid slot of ``idx_row[start:end]`` (``start`` if none): the
     -1 tail of a long list costs no tile (as kernels/sparse_mla_mma.py's _trim_tail)."""
@@ -203,6 +212,17 @@ def _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, has_sink, W: gl.conste
 
 
 @gluon.jit
+def _store_partial(opart_ptr, prow, h, c, o, W: gl.constexpr):
+    """A split's normalised output half: fp32 as the accumulator holds it (2 columns a
+    thread already fill 32-byte sectors), 16-bit partials (Config.part16) as the output
+    rows are stored, 16 bytes a thread."""
+    if opart_ptr.dtype.element_ty.primitive_bitwidth == 16:
+        _store_rows(opart_ptr, prow + h, o.to(opart_ptr.dtype.element_ty), W)
+    else:
+        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow,
               has_sink, split, W: gl.constexpr):
     """This consumer's half of each output row (lse from consumer 0). ``split`` 0: the
@@ -234,7 +254,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
     if split == 0:
         _finish(o, lse2, sink_ptr, out_ptr, lse_ptr, orow, h, has_sink, W)
     elif split == 1:
-        gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+        _store_partial(opart_ptr, prow, h, c, o, W)
         if W == 0:
             gl.store(lpart_ptr + prow + h, lse2)
     else:
@@ -249,7 +269,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
         old = gl.max(gl.where(lead, old, 0), axis=0)
         if (old & 1) == 0:
             # first of the pair at this half: ship it and signal; the other program writes
-            gl.store(opart_ptr + (prow + h)[:, None] * DIM + c[None, :], o)
+            _store_partial(opart_ptr, prow, h, c, o, W)
             gl.store(lpart_ptr + 2 * prow + W * HEADS + h, lse2)   # [query, split, half, head]
             gl.thread_barrier()
             gl.atomic_add(q_cnt + 2 + W, gl.full([128], 1, gl.int32, one), mask=lead,
@@ -652,13 +672,15 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           SEESAW: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                          FP8: gl.constexpr = False):
+                          FP8: gl.constexpr = False, PDL: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
     # runtime flags.)
     pid = gl.program_id(0)
     _stamp(cnt_ptr, pid, 0)
+    if PDL:     # the combine (a programmatic dependent launch) may be scheduled now
+        _launch_dependents()
     sp = pid % num_splits
     bs = (pid // num_splits).to(gl.int64)
     start = sp * split_rows
@@ -793,7 +815,8 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
-                  lazy=False, seesaw=False, scan_n=512, merge_pair=False):
+                  lazy=False, seesaw=False, scan_n=512, merge_pair=False, part16=False,
+                  pdl=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
@@ -803,8 +826,10 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     the module docstring; seesaw needs ``num_buf`` >= 3 to prefetch while a pair is in
     use), ``lazy`` the D-split consumers' lazy rescale (seesaw ignores it); ``merge_pair``:
     with exactly two split-KV ranges the two programs of a query merge their partials
-    themselves (see :func:`_epilogue`) instead of a combine kernel."""
-    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
+    themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
+    partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
+    launch (sm_90+; see kernels/sparse_mla_mma.py Config)."""
+    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits, pdl_ok
     fp8 = kv.dtype == torch.uint8
     need = smem_bytes(block_n, num_buf, seesaw, fp8)
     if (fp8 and block_n != 32) or need > SMEM_LIMIT:
@@ -819,6 +844,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     out = torch.empty(B, S_q, H, D, dtype=q.dtype, device=dev)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
     split = 0 if splits == 1 else 2 if (splits == 2 and merge_pair) else 1
+    pdl = bool(pdl) and split == 1 and pdl_ok(dev)
     # the counters only when the pair merges itself; otherwise any int32 pointer stands in
     # (never read), so the default path neither looks up nor allocates them
     cnt = _pair_counters(dev, 4 * B * S_q) if split == 2 else indices
@@ -828,7 +854,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         cnt = torch.zeros(B * S_q * splits * _TIMELINE_SLOTS, dtype=torch.int64, device=dev)
         _LAST_TIMELINE[:] = [cnt]
     if split:
-        opart = torch.empty(B * S_q * splits * H * D, dtype=torch.float32, device=dev)
+        opart = torch.empty(B * S_q * splits * H * D, dtype=q.dtype if part16 else torch.float32,
+                            device=dev)
         # split 2: an lse copy per consumer (each merges its own half)
         lpart = torch.empty(B * S_q * splits * H * split, dtype=torch.float32, device=dev)
     else:
@@ -838,7 +865,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         topk, splits, split_rows, scale * LOG2E, int(lazy),
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
-        SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168)
+        SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
+        PDL=pdl)
     if split == 1:
-        combine_splits(opart, lpart, sink, out, lse, splits)
+        combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse

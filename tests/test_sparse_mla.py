@@ -486,6 +486,31 @@ def test_mma_prefetch_matches_reference(pipe, fp8, fp8_hw, lazy, splits):
     torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mma_part16_partials(dtype):
+    """Config.part16: split partials stored in q's dtype (fp32 q keeps fp32) give the
+    reference's answer at q's tolerance, with -1 slots, an empty query and an empty split,
+    and differ from the fp32 partials by at most one rounding of a partial plus the output's
+    (a bf16/fp16 ulp of |out| <= max|V|, twice, taken as 2 * 2^-7 * max|V| for bf16)."""
+    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+    q, kv, idx, snk = make_case(2, 2, 16, 64, 90, 75, dtype=dtype, sink=True,
+                                empty_rows=[(0, 1)], seed=21)
+    idx[1, 0, :40] = -1                          # the first split of this query is empty
+    cfg = Config(16, 4, 1, 16, False, 3)
+    args = (q, kv.reshape(-1, kv.shape[-1]), idx, snk.float(), 64 ** -0.5, 64)
+    out16, lse16 = sparse_mla_mma(*args, config=cfg._replace(part16=True, pdl=True))
+    out32, lse32 = sparse_mla_mma(*args, config=cfg)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=64, attn_sink=snk, backend="torch")
+    torch.testing.assert_close(out16.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(lse16, ref_lse, atol=LSE_TOL[dtype], rtol=0)
+    ulp = 0.0 if dtype == torch.float32 else 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    bound = 2 * ulp * kv.float().abs().max().item()
+    assert (out16.float() - out32.float()).abs().max().item() <= bound
+    assert torch.equal(lse16, lse32)             # the lse path is fp32 either way
+    if dtype == torch.float32:
+        assert torch.equal(out16, out32)
+
+
 def test_named_variants_through_the_op():
     """Every name in VARIANTS runs through sparse_mla_decode_with_config (the bench's entry)
     and matches the reference; an unknown name is a ValueError."""
@@ -718,7 +743,7 @@ def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl"])
 def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
     """Forced split counts (1 = unsplit) and fp16; a -1 tail inside one split."""
     q, kv, idx, snk = make_case(6, 2, 64, 512, 8192, 1500, dtype=dtype, sink=True, seed=splits,
@@ -816,9 +841,10 @@ def _captured(q, kv, idx, snk, config):
 
 @pytest.mark.gpu
 @WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl"])
 def test_gpu_ws_cuda_graph_capture(variant):
-    """Replays from a CUDA graph with new inputs in the same buffers."""
+    """Replays from a CUDA graph with new inputs in the same buffers (with ``pdl``: the
+    combine's programmatic dependency captured as a graph edge)."""
     q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, sink=True, device="cuda")
     graph, out, lse = _captured(q, kv, idx, snk, variant)
     q.copy_(torch.randn_like(q))
@@ -832,9 +858,10 @@ def test_gpu_ws_cuda_graph_capture(variant):
 
 @pytest.mark.gpu
 @WS_GPU
+@pytest.mark.parametrize("variant", ["ws_ss_n32_b4_merge", "ws_ss_n32_b4_merge_p16"])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_ws_pair_merges_itself(sink, dtype):
+def test_gpu_ws_pair_merges_itself(sink, dtype, variant):
     """Two split-KV ranges merged by the pair itself (kernels/sparse_mla_ws.py, variant
     ws_ss_n32_b4_merge) against the reference and against the combine kernel, over
     repeated calls (the counters carry over) and with one range empty, the other empty, or
@@ -846,7 +873,7 @@ def test_gpu_ws_pair_merges_itself(sink, dtype):
     idx[1, 0, :1024] = -1          # first range empty
     idx[2, 0, 1000:1100] = -1      # a -1 run across the boundary
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    cfg = mma_variants()["ws_ss_n32_b4_merge"]._replace(splits=2)
+    cfg = mma_variants()[variant]._replace(splits=2)
     for _ in range(3):
         out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
         assert_matches_reference(q, out, lse, ref, ref_lse)
