@@ -617,20 +617,26 @@ DEVICE_TABLE: dict = {
         # previous entry, sqk_n64 = Config(64, 8, 2, 64, split_qk=True) (which had replaced
         # Config(64, 8, 2): 294.9 / 91.9 us); the whole mid/large sweep moved 1.1-1.3x, none
         # slower. Elsewhere (H != 64, sm_80, sm_120) this entry runs the plain loop, N32 w8 s4.
-        ("bf16", "large"): Config(32, 8, 4, 64, ws=True, seesaw=True),
-        ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True),
-        ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None),  # 25.5 us at B8 S1 T2048
-        ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None),   # 10.1 us at B1 S1 T640
+        # part16 and pdl (split-KV launches only): B64 S1 61.6 -> 58.5 us, rows at 12dd69a
+        # (variants ws_ss_n32_b4 / ws_ss_n32_b4_p16_pdl; p16 alone 59.7, pdl alone 61.0)
+        ("bf16", "large"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True),
+        ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True),
+        ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None,   # 25.5 us at B8 S1 T2048
+                                  part16=True, pdl=True),
+        ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None,    # 10.1 us at B1 S1 T640
+                                 part16=True, pdl=True),
         # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py):
         # 269.3 us at B128 S2 T2048 and 77.4 at B64 S1 (rows at 9b970d6; 262.2 / 78.0 at
         # e167caf) against 317.1 / 96.8
         # for the previous entry, fp8fast_sqk_pg_n64_s3 = Config(64, 8, 3, 64, pipe_gather=True,
         # fp8_fast=True, split_qk=True) (which had replaced Config(64, 8, 2): 571.3 us). Elsewhere
         # (sm_80, sm_120, fp16 q) this entry runs the plain loop at N32 w8 s3.
-        ("fp8", "large"): Config(32, 8, 3, 64, ws=True, seesaw=True),
-        ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True),
-        ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True),
-        ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None),    # 17.6 us at B1 S1 T640
+        ("fp8", "large"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True),
+        ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True),
+        ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True,
+                                 part16=True, pdl=True),
+        ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None,    # 17.6 us at B1 S1 T640
+                                part16=True, pdl=True),
     },
 }
 
