@@ -476,10 +476,12 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
 @triton.jit
 def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
+                    ONE_LOAD: tl.constexpr = False):
     """:func:`_combine_kernel` for BLOCK_HC heads a program: with many queries one program
     a head means thousands of programs of 4 KB each (4096 at B 64 / S_q 1), paced by how
-    fast the GPU starts programs."""
+    fast the GPU starts programs. ``ONE_LOAD``: every split's rows in one load (few splits),
+    so the partials and the lse come back in one round trip instead of a loop's."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -501,13 +503,19 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
     denom = tl.sum(w, axis=0)
     if HAS_SINK:
         denom += tl.exp2(sk - m_safe)
-    acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
     o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
-    for i in range(0, num_splits):
-        wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
-        o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
-                    mask=o_mask, other=0.0)
-        acc += wi[:, None] * o
+    if ONE_LOAD:
+        rows = (bs * num_splits + offs_s[:, None, None]) * H + h[None, :, None]
+        o = tl.load(opart_ptr + rows * DV + offs_v[None, None, :],
+                    mask=(offs_s[:, None, None] < num_splits) & o_mask[None, :, :], other=0.0)
+        acc = tl.sum(w[:, :, None] * o.to(tl.float32), axis=0)     # 0 for the padding splits
+    else:
+        acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
+        for i in range(0, num_splits):
+            wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
+            o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
+                        mask=o_mask, other=0.0)
+            acc += wi[:, None] * o
     has = denom > 0
     o = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
@@ -538,8 +546,10 @@ def combine_splits(opart, lpart, sink, out, lse, splits, pdl=False):
     # at e5f938d, against 10.8 with this kernel)
     if B * S_q * H >= 16 * sm_count(out.device, cpu=8):
         block_hc = min(8, triton.next_power_of_2(H))
+        one_load = common["BLOCK_S"] * block_hc * common["BLOCK_DV"] <= 8192   # 64 a thread
         _combine_heads_kernel[(B * S_q * triton.cdiv(H, block_hc),)](
-            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, **common)
+            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, ONE_LOAD=one_load,
+            **common)
     else:
         _combine_kernel[(B * S_q * H,)](opart, lpart, sink, out, lse, H, splits, **common)
 

@@ -345,6 +345,7 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     rows_l: gl.constexpr = gl.SliceLayout(1, gather)
     cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
     _stamp(cnt_ptr, prow // HEADS, 1)
+    _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
     idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
@@ -360,11 +361,6 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         mbarrier.arrive(kv_ready.index(buf), count=1)
         if i == 0:
             _stamp(cnt_ptr, prow // HEADS, 2)
-            if split != 0:
-                # split-KV launches are one wave: every program starts at once, and Q plus
-                # a full ring for all of them is more than the HBM delivers before the
-                # first tile is needed; tile 0 (and Q) first, the rest of the ring after
-                mbarrier.wait(kv_ready.index(0), 0)
     _stamp(cnt_ptr, prow // HEADS, 3)
 
 
@@ -431,6 +427,7 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     chunk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, chunk)
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, chunk))
+    _load_q(q_row, q_smem, q_bar)
 
     n_tiles = _tile_count(start, end, BLOCK_N, s_smem)
     idx = _slots(idx_row, start, end, 0, BLOCK_N, rows_l)
@@ -689,6 +686,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     start = sp * split_rows
     end = gl.minimum(start + split_rows, topk)
     idx_row = idx_ptr + bs * topk
+    end = _trim_end(idx_row, start, end, SCAN_N, num_warps)
     q_row = q_ptr + bs * (HEADS * DIM)
 
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -716,10 +714,6 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     for b in gl.static_range(4):
         mbarrier.init(s_ready.index(b), count=1)
         mbarrier.init(s_free.index(b), count=1)
-    # Q's copy (by the warps that become the producer) starts before the -1 trim's scan of
-    # the indices, so the two round trips overlap
-    _load_q(q_row, q_smem, q_bar)
-    end = _trim_end(idx_row, start, end, SCAN_N, num_warps)
 
     prow = (bs * num_splits + sp) * HEADS
     orow = bs * HEADS

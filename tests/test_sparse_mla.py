@@ -157,15 +157,19 @@ def test_mma_split_kv_matches_unsplit(splits, sink):
 
 @pytest.mark.parametrize("B, S, H", [(1, 1, 3), (2, 1, 16), (1, 2, 64), (3, 1, 64)])
 @pytest.mark.parametrize("sink", [False, True])
-def test_combine_splits_both_kernels(B, S, H, sink):
+@pytest.mark.parametrize("splits, part_dtype", [(3, torch.float32), (40, torch.float32),
+                                                (3, torch.bfloat16)])
+def test_combine_splits_both_kernels(B, S, H, sink, splits, part_dtype):
     """The split-KV combine against a torch merge of the same partials, on both of its
     kernels (one head a program with few queries, 8 heads a program with B*S_q*H >= 16 x
     SMs; the CPU counts as 8 SMs, so there the last two shapes take the 8-head kernel; on a GPU
-    the real-shape tests reach it): empty splits (lse -inf), a query with nothing at all."""
+    the real-shape tests reach it) and both of the 8-head kernel's paths (3 splits: one load
+    for all; 40: the loop): empty splits (lse -inf), a query with nothing at all; fp32 and
+    bf16 (Config.part16) partials."""
     from dsv4lab.kernels.sparse_mla_mma import combine_splits
-    splits, d_v = 3, 48
+    d_v = 48
     g = torch.Generator().manual_seed(B * 100 + H)
-    opart = torch.randn(B * S, splits, H, d_v, generator=g)
+    opart = torch.randn(B * S, splits, H, d_v, generator=g).to(part_dtype)
     lpart = torch.randn(B * S, splits, H, generator=g) * 4
     lpart[0, 1] = float("-inf")                      # an empty split for every head
     lpart[-1, :, 0] = float("-inf")                  # head 0 of the last query: nothing
@@ -181,7 +185,7 @@ def test_combine_splits_both_kernels(B, S, H, sink):
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     w = torch.exp2(lpart - m[:, None])
     denom = w.sum(dim=1) + (torch.exp2(snk * math.log2(math.e) - m) if sink else 0)
-    ref = (w[..., None] * opart).sum(dim=1) / torch.where(denom > 0, denom, 1.0)[..., None]
+    ref = (w[..., None] * opart.float()).sum(dim=1) / torch.where(denom > 0, denom, 1.0)[..., None]
     ref_lse = torch.where(denom > 0, (m + torch.log2(denom)) * math.log(2), float("-inf"))
     torch.testing.assert_close(out.reshape(B * S, H, d_v), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.reshape(B * S, H), ref_lse, atol=1e-5, rtol=0)
