@@ -476,12 +476,10 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
 @triton.jit
 def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
-                    ONE_LOAD: tl.constexpr = False):
+                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False):
     """:func:`_combine_kernel` for BLOCK_HC heads a program: with many queries one program
     a head means thousands of programs of 4 KB each (4096 at B 64 / S_q 1), paced by how
-    fast the GPU starts programs. ``ONE_LOAD``: every split's rows in one load (few splits),
-    so the partials and the lse come back in one round trip instead of a loop's."""
+    fast the GPU starts programs."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -503,19 +501,13 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
     denom = tl.sum(w, axis=0)
     if HAS_SINK:
         denom += tl.exp2(sk - m_safe)
+    acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
     o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
-    if ONE_LOAD:
-        rows = (bs * num_splits + offs_s[:, None, None]) * H + h[None, :, None]
-        o = tl.load(opart_ptr + rows * DV + offs_v[None, None, :],
-                    mask=(offs_s[:, None, None] < num_splits) & o_mask[None, :, :], other=0.0)
-        acc = tl.sum(w[:, :, None] * o.to(tl.float32), axis=0)     # 0 for the padding splits
-    else:
-        acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
-        for i in range(0, num_splits):
-            wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
-            o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
-                        mask=o_mask, other=0.0)
-            acc += wi[:, None] * o
+    for i in range(0, num_splits):
+        wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
+        o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
+                    mask=o_mask, other=0.0)
+        acc += wi[:, None] * o
     has = denom > 0
     o = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
@@ -546,10 +538,8 @@ def combine_splits(opart, lpart, sink, out, lse, splits, pdl=False):
     # at e5f938d, against 10.8 with this kernel)
     if B * S_q * H >= 16 * sm_count(out.device, cpu=8):
         block_hc = min(8, triton.next_power_of_2(H))
-        one_load = common["BLOCK_S"] * block_hc * common["BLOCK_DV"] <= 8192   # 64 a thread
         _combine_heads_kernel[(B * S_q * triton.cdiv(H, block_hc),)](
-            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, ONE_LOAD=one_load,
-            **common)
+            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, **common)
     else:
         _combine_kernel[(B * S_q * H,)](opart, lpart, sink, out, lse, H, splits, **common)
 
@@ -627,12 +617,18 @@ DEVICE_TABLE: dict = {
         # previous entry, sqk_n64 = Config(64, 8, 2, 64, split_qk=True) (which had replaced
         # Config(64, 8, 2): 294.9 / 91.9 us); the whole mid/large sweep moved 1.1-1.3x, none
         # slower. Elsewhere (H != 64, sm_80, sm_120) this entry runs the plain loop, N32 w8 s4.
-        # part16 and pdl (split-KV launches only): B64 S1 61.6 -> 58.5 us, rows at 12dd69a
-        # (variants ws_ss_n32_b4 / ws_ss_n32_b4_p16_pdl; p16 alone 59.7, pdl alone 61.0)
+        # part16 and pdl act on split-KV launches only. B64 S1: 61.6 -> 58.5 us with both,
+        # rows at 12dd69a (variants ws_ss_n32_b4 / ws_ss_n32_b4_p16_pdl; p16 alone 59.7, pdl
+        # alone 61.0). An A/B printout at 69d57c9 (build/ab_sparse.py's method: the bench's
+        # CUDA-graph timing, base / p16 / pdl / both, us): p16 faster everywhere (B1 S4
+        # T2048 22.1 / 19.5, B8 S1 T2048 26.6 / 24.3, B8 S4 T2048 36.2 / 33.4, B1 S1 T640
+        # 10.8 / 10.7); pdl faster at B1 S1 T640 (9.9 with both) and B1 S4 T640 (15.9 / 13.7
+        # with both) but slower at B1 S4 T2048 (27.8) and B8 S1 T2048 (29.3), so the small
+        # class (3-16 query rows) takes p16 alone
         ("bf16", "large"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True),
         ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True),
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None,   # 25.5 us at B8 S1 T2048
-                                  part16=True, pdl=True),
+                                  part16=True),
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None,    # 10.1 us at B1 S1 T640
                                  part16=True, pdl=True),
         # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py):
@@ -644,7 +640,7 @@ DEVICE_TABLE: dict = {
         ("fp8", "large"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True),
         ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True),
         ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True,
-                                 part16=True, pdl=True),
+                                 part16=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None,    # 17.6 us at B1 S1 T640
                                 part16=True, pdl=True),
     },

@@ -163,9 +163,9 @@ def test_combine_splits_both_kernels(B, S, H, sink, splits, part_dtype):
     """The split-KV combine against a torch merge of the same partials, on both of its
     kernels (one head a program with few queries, 8 heads a program with B*S_q*H >= 16 x
     SMs; the CPU counts as 8 SMs, so there the last two shapes take the 8-head kernel; on a GPU
-    the real-shape tests reach it) and both of the 8-head kernel's paths (3 splits: one load
-    for all; 40: the loop): empty splits (lse -inf), a query with nothing at all; fp32 and
-    bf16 (Config.part16) partials."""
+    the real-shape tests reach it), with 3 and 40 splits (more than a 32-wide block of
+    them): empty splits (lse -inf), a query with nothing at all; fp32 and bf16
+    (Config.part16) partials."""
     from dsv4lab.kernels.sparse_mla_mma import combine_splits
     d_v = 48
     g = torch.Generator().manual_seed(B * 100 + H)
