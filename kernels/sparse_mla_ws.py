@@ -49,7 +49,15 @@ other consumer's.
 
 The split-KV partials (normalised output and base-2 log-sum-exp) are those of the MMA
 kernel and are merged by its ``_combine_kernel`` (or, a variant measured slower, by the two
-programs of a pair themselves: ``merge_pair``, see :func:`_epilogue`). Constexprs do not
+programs of a pair themselves: ``merge_pair``, see :func:`_epilogue`). With ``part16`` they
+are stored in q's dtype, 16 bytes a thread like the output rows (:func:`_store_partial`), and
+with ``pdl`` the combine is a programmatic dependent launch that this kernel lets start at
+once: H200, B 64 / S_q 1, rows at 12dd69a, 61.6 us -> 59.7 (part16) -> 58.5 (both), the
+table's default since 19bca93 (58.5 us, 0.575 of the roofline). Measured slower and reverted:
+Q's copy issued before the -1 trim's index scan (the scan's load then queued behind Q's 64 KB:
+producer start 1.3 -> 3.1 us, B 128 / S_q 2 181.6 -> 188.7, rows at 2b3eae7, together with
+split-KV programs holding the rest of the ring until tile 0 had landed, which moved the
+first tile no earlier: 5.6 -> 5.9 us on the timeline). Constexprs do not
 cross into Gluon's warp-specialised partitions (Triton 3.6): the partitions read BLOCK_N,
 NUM_BUF and the design off their shared-memory buffers' shapes and types.
 
