@@ -125,6 +125,37 @@ mul.rn.f16x2 $3, u, $6;
 """
 
 
+# ACC_SCALE's decode (sm_89 and newer): CVT8_ASM without the four multiplies (11 instructions
+# per 4 bytes): the nibbles as fp16 ``value * 2**-14``; the block scales go on the
+# accumulator instead (see :func:`_step_acc_scale`).
+CVT8_RAW_ASM = """
+{
+.reg .b32 u, v, l, h;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 u, $4, 4;
+shl.b32 v, $4, 1;
+and.b32 v, v, 0x0E0E0E0E;
+lop3.b32 l, u, v, 0x80808080, 0xEC;
+shr.b32 u, $4, 3;
+and.b32 u, u, 0x0E0E0E0E;
+lop3.b32 h, $4, u, 0x80808080, 0xEC;
+mov.b32 {l0, l1}, l;
+mov.b32 {h0, h1}, h;
+cvt.rn.f16x2.e5m2x2 $0, l0;
+cvt.rn.f16x2.e5m2x2 $1, l1;
+cvt.rn.f16x2.e5m2x2 $2, h0;
+cvt.rn.f16x2.e5m2x2 $3, h1;
+}
+"""
+
+
+@gluon.jit
+def _decode_raw(p, ASM: gl.constexpr):
+    """Packed bytes -> (low, high) nibbles as fp16 ``value * 2**-14``: CVT8_RAW_ASM."""
+    return gl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [p], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=4)
+
+
 def _decode_asm(device, cvt8=None) -> str:
     """CVT8_ASM where the GPU converts fp8 (sm_89+) unless ``cvt8`` is False, else FASTDEC's."""
     from dsv4lab.kernels import moe as base
@@ -151,6 +182,13 @@ def _weight_layout(BN, W, NS, GS):
     warps = [[16 << i, 0, 0, 0] for i in range(W.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=warps,
                                       block_bases=[], shape=[BN, 4, NS, GS])
+
+
+@triton.constexpr_function
+def _scale_cols(NSC, ACC_SCALE):
+    """Scale bytes a row a K-step in shared memory: NSC, or with ACC_SCALE one per column of
+    the mma (BM = 8; MXFP4's 4 padded with zeros)."""
+    return 8 if ACC_SCALE else NSC
 
 
 @triton.constexpr_function
@@ -200,6 +238,18 @@ def _mult(sb, smax, IS_NV: gl.constexpr):
 
 
 @gluon.jit
+def _mult32(sb, IS_NV: gl.constexpr):
+    """ACC_SCALE: scale bytes -> fp32 multipliers of the accumulator (MXFP4: ``2**(s - 127)``,
+    exact but for s = 0, 2**-127, which flushes to 0; NVFP4: the E4M3 value, exactly)."""
+    if IS_NV:
+        b = sb.to(gl.int16)
+        bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+        return bits.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
+    else:
+        return (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _row_smax(s_row, nmask, KS, BN: gl.constexpr, num_warps: gl.constexpr):
     """The largest MXFP4 scale byte of each row over its K slice (KS bytes from s_row)."""
     L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
@@ -217,23 +267,34 @@ def _row_smax(s_row, nmask, KS, BN: gl.constexpr, num_warps: gl.constexpr):
 @gluon.jit
 def _issue_mat(w_smem, s_smem, idx, w_rows, s_rows, nm_w, nm_s, k, live,
                NSC: gl.constexpr, CPW: gl.constexpr, CPS: gl.constexpr):
+    """One K-step of one matrix's rows: weight bytes, and the step's NSC scale bytes into the
+    first NSC of the scale buffer's columns (the rest, ACC_SCALE's padding, zero-filled)."""
+    SCW: gl.constexpr = s_smem.type.shape[2]
     cb = gl.arange(0, SEG_BYTES, layout=gl.SliceLayout(0, CPW))
-    cs = gl.arange(0, NSC, layout=gl.SliceLayout(0, CPS))
+    cs = gl.arange(0, SCW, layout=gl.SliceLayout(0, CPS))
     async_copy.async_copy_global_to_shared(
         w_smem.index(idx), w_rows[:, None] + (k * SEG_BYTES + cb)[None, :], mask=nm_w[:, None] & live)
     async_copy.async_copy_global_to_shared(
-        s_smem.index(idx), s_rows[:, None] + (k * NSC + cs)[None, :], mask=nm_s[:, None] & live)
+        s_smem.index(idx), s_rows[:, None] + (k * NSC + cs % NSC)[None, :],
+        mask=nm_s[:, None] & live & (cs < NSC)[None, :])
 
 
 @gluon.jit
 def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_rows, xmask, st,
            nst, NSC: gl.constexpr, CPW: gl.constexpr, CPS: gl.constexpr, CPX: gl.constexpr,
-           NMAT: gl.constexpr, NSPS: gl.constexpr):
+           NMAT: gl.constexpr, NSPS: gl.constexpr, XBLK: gl.constexpr = 0):
     """cp.async stage st (K-steps st * NSPS ..) of the slice into ring slot ``slot``
     (nothing when st >= nst): NSPS consecutive 64-byte steps of every row at once, so
-    that a row's bytes reach the memory system as 64 * NSPS contiguous bytes."""
+    that a row's bytes reach the memory system as 64 * NSPS contiguous bytes. ``XBLK``
+    (ACC_SCALE: packed bytes a scale block): x's row n keeps only the columns of scale block
+    n (sigma puts the element of weight byte b in column b: block b // XBLK), zero-filled
+    elsewhere; whole 16-byte chunks either way."""
     live = st < nst
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
+    xm = xmask[:, None] & live
+    if XBLK:
+        n = gl.arange(0, BM, layout=gl.SliceLayout(1, CPX))
+        xm = xm & ((cx // XBLK)[None, :] == n[:, None])
     for j in gl.static_range(NSPS):
         k = st * NSPS + j
         _issue_mat(w_smem, s_smem, (slot * NMAT) * NSPS + j, w0, s0, m0w, m0s, k, live, NSC, CPW, CPS)
@@ -243,7 +304,7 @@ def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_r
         for h in gl.static_range(2):
             async_copy.async_copy_global_to_shared(
                 x_smem.index((slot * NSPS + j) * 2 + h),
-                x_rows[:, None] + (k * 128 + h * 64 + cx)[None, :], mask=xmask[:, None] & live)
+                x_rows[:, None] + (k * 128 + h * 64 + cx)[None, :], mask=xm)
     async_copy.commit_group()
 
 
@@ -261,12 +322,30 @@ def _step(acc, xe, xo, w_smem, s_smem, idx, smax, IS_NV: gl.constexpr, BN: gl.co
 
 
 @gluon.jit
+def _step_acc_scale(acc, zero, xe, xo, w_smem, s_smem, idx, IS_NV: gl.constexpr,
+                    BN: gl.constexpr, NS: gl.constexpr, GS: gl.constexpr, WL: gl.constexpr,
+                    A_OP: gl.constexpr, MMA: gl.constexpr, ASM: gl.constexpr):
+    """ACC_SCALE's K-step: the weights decoded without their scales, the two mmas into a
+    fresh accumulator whose column n holds block n's partial dot (x's row n holds the K-step's
+    elements of scale block n, zeros elsewhere: see :func:`_issue`), then each column times
+    its block's scale into ``acc``."""
+    p = w_smem.index(idx).reshape([BN, 4, NS, GS]).load(WL)
+    lo, hi = _decode_raw(p, ASM)
+    c = mma_v2(_to_a_operand(lo, BN, A_OP), xe, zero)
+    c = mma_v2(_to_a_operand(hi, BN, A_OP), xo, c)
+    return gl.fma(c, _mult32(s_smem.index(idx).load(MMA), IS_NV), acc)
+
+
+@gluon.jit
 def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
             IS_NV: gl.constexpr, BN: gl.constexpr, NMAT: gl.constexpr, STAGES: gl.constexpr,
-            NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+            NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
+            ACC_SCALE: gl.constexpr = False):
     """sum over the slice's K-steps of w . x^T for one or two (NMAT) weight matrices, given
     their rows' first weight byte (w*), first scale byte (s*), validity (m*) and MXFP4 row
-    maximum (smax*), [BN] each: (acc0, acc1), [BN, BM] in the mma layout."""
+    maximum (smax*), [BN] each: (acc0, acc1), [BN, BM] in the mma layout. ``ACC_SCALE`` (one
+    token, whose row x_rows gives for every column; ASM = CVT8_RAW_ASM): the block scales
+    applied to the accumulator (:func:`_step_acc_scale`), the result in every column."""
     W: gl.constexpr = num_warps
     GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
     NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
@@ -275,7 +354,8 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     CPW: gl.constexpr = _copy_layout(BN, W)
-    CPS: gl.constexpr = gl.BlockedLayout([1, NSC], [32, 1], [W, 1], [1, 0])
+    SCW: gl.constexpr = _scale_cols(NSC, ACC_SCALE)    # scale columns in shared memory
+    CPS: gl.constexpr = gl.BlockedLayout([1, SCW], [32, 1], [W, 1], [1, 0])
     CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
     WL: gl.constexpr = _weight_layout(BN, W, NS, GS)
     SL: gl.constexpr = gl.SliceLayout(3, WL)
@@ -283,7 +363,7 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SWZ: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, SEG_BYTES], PLAIN)
-    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, NSC], PLAIN)
+    s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, SCW], PLAIN)
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NSPS * 2, BM, 64], SWZ)
     RW: gl.constexpr = gl.SliceLayout(1, CPW)
     RS: gl.constexpr = gl.SliceLayout(1, CPS)
@@ -300,25 +380,38 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
     xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))
     nst = nseg // NSPS
+    XBLK: gl.constexpr = GS if ACC_SCALE else 0
     for st in gl.static_range(STAGES - 1):
         _issue(w_smem, s_smem, x_smem, st, w0, s0, m0w, m0s, w1, s1, m1w, m1s, xr, xm, st, nst,
-               NSC, CPW, CPS, CPX, NMAT, NSPS)
+               NSC, CPW, CPS, CPX, NMAT, NSPS, XBLK)
     acc0 = gl.zeros([BN, BM], gl.float32, layout=MMA)
     acc1 = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    zero = gl.zeros([BN, BM], gl.float32, layout=MMA)
     for st in range(nst):
         _issue(w_smem, s_smem, x_smem, (st + STAGES - 1) % STAGES, w0, s0, m0w, m0s, w1, s1,
-               m1w, m1s, xr, xm, st + STAGES - 1, nst, NSC, CPW, CPS, CPX, NMAT, NSPS)
+               m1w, m1s, xr, xm, st + STAGES - 1, nst, NSC, CPW, CPS, CPX, NMAT, NSPS, XBLK)
         async_copy.wait_group(STAGES - 1)
         slot = st % STAGES
         for j in gl.static_range(NSPS):
             xe = _to_b_operand(x_smem.index((slot * NSPS + j) * 2).load(CPX), B_OP)
             xo = _to_b_operand(x_smem.index((slot * NSPS + j) * 2 + 1).load(CPX), B_OP)
-            acc0 = _step(acc0, xe, xo, w_smem, s_smem, (slot * NMAT) * NSPS + j, smax0, IS_NV, BN,
-                         NS, GS, WL, SL, A_OP, ASM)
-            if NMAT == 2:
-                acc1 = _step(acc1, xe, xo, w_smem, s_smem, (slot * NMAT + 1) * NSPS + j, smax1,
-                             IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
+            if ACC_SCALE:
+                acc0 = _step_acc_scale(acc0, zero, xe, xo, w_smem, s_smem, (slot * NMAT) * NSPS + j,
+                                       IS_NV, BN, NS, GS, WL, A_OP, MMA, ASM)
+                if NMAT == 2:
+                    acc1 = _step_acc_scale(acc1, zero, xe, xo, w_smem, s_smem,
+                                           (slot * NMAT + 1) * NSPS + j, IS_NV, BN, NS, GS, WL,
+                                           A_OP, MMA, ASM)
+            else:
+                acc0 = _step(acc0, xe, xo, w_smem, s_smem, (slot * NMAT) * NSPS + j, smax0, IS_NV,
+                             BN, NS, GS, WL, SL, A_OP, ASM)
+                if NMAT == 2:
+                    acc1 = _step(acc1, xe, xo, w_smem, s_smem, (slot * NMAT + 1) * NSPS + j, smax1,
+                                 IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
     async_copy.wait_group(0)
+    if ACC_SCALE:       # the blocks' columns summed; every column holds the rows' dot
+        acc0 = gl.expand_dims(gl.sum(acc0, axis=1), 1) + zero
+        acc1 = gl.expand_dims(gl.sum(acc1, axis=1), 1) + zero
     return acc0, acc1
 
 
@@ -347,10 +440,12 @@ def _mma_layout(W):
 
 @gluon.jit
 def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, stride_se,
-                 stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+                 stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
+                 ACC_SCALE: gl.constexpr = False):
     """This program's BN rows of expert e's matrix at w_ptr / s_ptr, from its K slice
     (NSEG steps of slice sp): ``(offs_n, nmask, first weight bytes, first scale bytes,
-    MXFP4 row maxima (0 for NVFP4))``, [BN] each, in the accumulator's row layout."""
+    MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``, [BN] each, in the accumulator's row
+    layout."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
@@ -358,7 +453,7 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
     e64 = e.to(gl.int64)
     w = w_ptr + e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
     s = s_ptr + e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
-    if IS_NV:
+    if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
         smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
@@ -366,11 +461,14 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
 
 
 @gluon.jit
-def _undo_scales(acc, smax, gscale_ptr, e, IS_NV: gl.constexpr):
+def _undo_scales(acc, smax, gscale_ptr, e, IS_NV: gl.constexpr, ACC_SCALE: gl.constexpr = False):
     """acc [BN, BM] times what the decoded weights and x's 2**-8 still owe: NVFP4, 2**22 times
-    expert e's global scale; MXFP4, ``2**(smax - 120)`` per row (the scale split)."""
+    expert e's global scale; MXFP4, ``2**(smax - 120)`` per row (the scale split), or with
+    ACC_SCALE (the block scales already applied) 2**22."""
     if IS_NV:
         return acc * (4194304.0 * gl.load(gscale_ptr + e))
+    elif ACC_SCALE:
+        return acc * 4194304.0
     else:
         return acc * ((smax + 7) << 23).to(gl.float32, bitcast=True)[:, None]
 
@@ -517,7 +615,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
                    SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -534,7 +632,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     - a down tile: BN2 rows of pair p's down projection over a K slice of I (their bytes
       prefetched to L2 while it waits for act[p]), times the routing weight, stored to
       ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
-      over the pairs and slices in order and writes out."""
+      over the pairs and slices in order and writes out.
+    ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
+    ASM = CVT8_RAW_ASM), the token's x in row 0 of x's buffers."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -565,17 +665,21 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         if e >= 0:
             _, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, sp, I, nseg1,
                                                     stride_w13e, stride_w13n, stride_s13e,
-                                                    stride_s13n, IS_NV, BN1, num_warps)
+                                                    stride_s13n, IS_NV, BN1, num_warps, ACC_SCALE)
             _, _, wu, su, smax_u = _weight_rows(w13_ptr + I * stride_w13n, s13_ptr + I * stride_s13n,
                                                 e, pn, sp, I, nseg1, stride_w13e, stride_w13n,
-                                                stride_s13e, stride_s13n, IS_NV, BN1, num_warps)
+                                                stride_s13e, stride_s13n, IS_NV, BN1, num_warps,
+                                                ACC_SCALE)
             x_rows = xp_ptr + t.to(gl.int64) * stride_xt + sp * nseg1 * 128 + m * 0
+            xmask = col
+            if ACC_SCALE:                       # the token's row in every column, by block
+                xmask = m >= 0
             _stamp(stamps_ptr, tile, 2, num_warps)
-            acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, col,
-                                   nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps)
+            acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, xmask,
+                                   nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps, ACC_SCALE)
             _stamp(stamps_ptr, tile, 3, num_warps)
-            gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV)
-            up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV)
+            gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV, ACC_SCALE)
+            up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV, ACC_SCALE)
             if SPLIT1 > 1:
                 part = _pair_tile(part_ptr, sp * P + p, stride_part, offs_n, m)
                 gl.store(part, gate, mask=col[None, :])
@@ -610,17 +714,20 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             col = m == t
             _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
                                                 stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
-                                                num_warps)
+                                                num_warps, ACC_SCALE)
             if PREFETCH:
                 _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
             _wait_count(ctr_ptr + 1 + p, n_tiles1)
             _stamp(stamps_ptr, tile, 2, num_warps)
             a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
-            acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, col, nseg2,
-                                  IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps)
+            amask = col
+            if ACC_SCALE:
+                amask = m >= 0
+            acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
+                                  IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
             _stamp(stamps_ptr, tile, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
-            y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
+            y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
             gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_n, m), y, mask=col[None, :])
         gl.thread_barrier()
         done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
@@ -638,7 +745,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -660,12 +767,15 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
     (:func:`_decode_kernel`; STAGES2 unused, PREFETCH: the down tiles' L2 prefetch).
     ``CVT8``: the decode (None: CVT8_ASM on sm_89+, FASTDEC's elsewhere; True / False force).
+    ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
+    accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
+    it can run (the table's T = 1 entry), else not.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -680,6 +790,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         if v < 16 * num_warps or v & (v - 1):
             raise ValueError(f"moe_mma2: {name} must be a power of two >= 16 * num_warps "
                              f"({16 * num_warps}), got {v}")
+    acc_ok = CVT8 is not False and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    if ACC_SCALE is None:
+        ACC_SCALE = acc_ok
+    if ACC_SCALE and not acc_ok:
+        raise ValueError("moe_mma2: ACC_SCALE decodes with CVT8_RAW_ASM, which needs sm_89 or "
+                         "newer (cvt.f16x2.e5m2x2) and CVT8 not False")
     if P == 0:
         return torch.zeros(T, H, dtype=x.dtype, device=x.device)
     is_nv = fmt == "nvfp4"
@@ -706,7 +822,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if FUSED and T <= int(BM):
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
-                             nsps1, nsps2, PREFETCH, num_warps, CVT8)
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
@@ -743,7 +859,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8):
+                  PREFETCH, num_warps, CVT8, ACC_SCALE=False):
     """:func:`_decode_kernel` on x's copy ``xp`` (T <= BM tokens; the splits already picked)."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
@@ -770,8 +886,9 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         act.stride(0), part.stride(0), ypair.stride(0), out.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
-        STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH, ASM=_decode_asm(dev, CVT8),
-        num_warps=num_warps)
+        STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
+        ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
+        ACC_SCALE=bool(ACC_SCALE))
     return out
 
 

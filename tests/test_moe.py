@@ -392,11 +392,12 @@ def _fastdec_emulated(packed, mult, asm=None):
     return out
 
 
-@pytest.mark.parametrize("asm", ["FASTDEC", "CVT8"])
+@pytest.mark.parametrize("asm", ["FASTDEC", "CVT8", "CVT8_RAW"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_fastdec_ptx_bits_equal_reference_decode(fmt, asm):
     # FASTDEC (kernels/moe.py, every GPU) and CVT8 (kernels/moe_mma2.py, sm_89+: the e5m2
-    # conversion places the bits) must decode identically
+    # conversion places the bits) must decode identically; CVT8_RAW (ACC_SCALE's decode) is
+    # CVT8 without the multipliers: value * 2**-14 exactly
     if fmt == "mxfp4":        # 2**(e) for e = -14..15 as the kernel builds it, and the flush 0
         mults = torch.tensor([0.0] + [2.0 ** e for e in range(-14, 16)])
     else:                     # every finite E4M3 block scale (NaN bytes 0x7F, 0xFF excluded)
@@ -415,7 +416,11 @@ def test_fastdec_ptx_bits_equal_reference_decode(fmt, asm):
     w16 = (v * 2.0 ** -14).to(torch.float16).repeat(mults.numel(), 1)[perm]
     want_lo = (w16[:, 0] * mult).view(torch.int16)
     want_hi = (w16[:, 1] * mult).view(torch.int16)
-    if asm == "CVT8":
+    if asm == "CVT8_RAW":
+        from dsv4lab.kernels import moe_mma2
+        got_lo, got_hi = _fastdec_emulated(packed, mult, moe_mma2.CVT8_RAW_ASM)
+        want_lo, want_hi = w16[:, 0].view(torch.int16), w16[:, 1].view(torch.int16)
+    elif asm == "CVT8":
         from dsv4lab.kernels import moe_mma2
         got_lo, got_hi = _fastdec_emulated(packed, mult, moe_mma2.CVT8_ASM)
     else:
@@ -1069,8 +1074,43 @@ def test_gpu_mma2_cvt8_decode_is_bitwise_fastdec(fmt, launch):
 
 @gpu
 @pytest.mark.gpu
+@settings(max_examples=16, deadline=None)
+@given(T=st.integers(1, 8), E=st.integers(2, 12), k=st.integers(1, 6),
+       H=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]),
+       fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
+       routing=st.sampled_from(["random", "skewed", "holes"]),
+       launch=st.sampled_from([dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
+                                    num_warps=2),
+                               dict(BN1=64, BN2=64, STAGES=2, NSPS=4),
+                               dict(BN1=128, BN2=128, num_warps=8, STAGES=2, SPLIT1=2)]),
+       seed=st.integers(0, 1000))
+def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
+    # ACC_SCALE (the fused decode with the block scales on the accumulator: x's row n holds
+    # scale block n's elements, the mma's column n that block's partial dot) against the fp32
+    # reference and against the scaled-weights decode, one token to 8, both formats, -1 slots,
+    # every token on one expert, with and without the clamp; two calls give the same bits.
+    # Where the GPU cannot convert fp8 (before sm_89) it is refused with the reason.
+    from dsv4lab.kernels import moe_mma2
+    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
+    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
+    opts = dict(fmt=fmt, swiglu_limit=limit, FUSED=True, **kw, **launch)
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="ACC_SCALE"):
+            moe_mma2.fused_moe(*args, ACC_SCALE=True, **opts)
+        return
+    out = moe_mma2.fused_moe(*args, ACC_SCALE=True, **opts)
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    assert_close(out, ref, torch.bfloat16)
+    assert_close(out, moe_mma2.fused_moe(*args, **opts), torch.bfloat16)
+    assert torch.equal(moe_mma2.fused_moe(*args, ACC_SCALE=True, **opts), out)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("split", [dict(), dict(SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2)])
+@pytest.mark.parametrize("split", [dict(), dict(SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
+                                   dict(SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, BN1=32, BN2=32,
+                                        num_warps=2, ACC_SCALE=True)])
 def test_gpu_mma2_fused_decode_in_graph(fmt, split):
     # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
     # graph and replayed on new routing: the counters start from zero on every replay
