@@ -1032,11 +1032,13 @@ _MMA2_T64 = dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2)
 # _FX128_S2 in the bench; at T = 8 the fused launch was slower (338.6 against 317.5 us).
 # Both MMA2 entries decode with moe_mma2.CVT8_ASM on sm_89+ (rows at 8fdc283: T = 64 MXFP4
 # 828.5 / 823.2 us = 0.61, T = 1 57.0 / 56.4 us = 0.33).
-# Session 10: T = 1 applies the block scales on the accumulator (ACC_SCALE, None: where it can
-# run, sm_89+): offline sm_90 SASS of this launch, gate/up loop 724 -> 631 instructions, down
-# 416 -> 357, no row-maximum prologue; bench variant mma2_scaled_w_t1 keeps the former decode.
+# Session 10: the block scales on the accumulator (moe_mma2 ACC_SCALE; bench variant
+# mma2_acc_scale_t1) cut this launch's offline sm_90 SASS loops by 13-14% (gate/up 724 -> 631
+# instructions, down 416 -> 357) and removed the row-maximum prologue, yet measured no faster
+# (rows at b7e6296, where it was this entry's default: MXFP4 57.4 us against 57.0 with the
+# scales on the weights, NVFP4 60.5 against 58.3): T = 1 is not bound by the loop's issue rate.
 _MMA2_T1 = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
-                num_warps=2, ACC_SCALE=None)
+                num_warps=2)
 CONFIGS = [
     (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8
     (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64

@@ -61,7 +61,21 @@ CVT8 (rows at 8fdc283) 57.0 / 56.4 us, 0.33. Where its time goes
 tiles, five an SM (38 KB of shared memory each), gate/up done 34.6 us after the launch
 starts, the last down tile 48.9 us; each scheduler issues every other cycle with 2.4 warps on
 it. Smaller rings (more tiles an SM), other split and tile sizes all land at 59-65 us
-(scripts/tune_moe.py round 11): the decode's instructions a byte, not the launches, bound T = 1.
+(scripts/tune_moe.py round 11).
+
+The block scales on the accumulator (``ACC_SCALE``, the fused launch on sm_89+; a variant).
+A pair's tile holds one token, so 7 of the mma's 8 token columns were zeros: here x's row n
+holds only the K-step's elements of scale block n (MXFP4: a lane's 16 bytes, one block;
+NVFP4: half of them), so column n of the product is block n's partial dot; the weights are
+decoded without their scales (CVT8_RAW_ASM, 11 instructions per 4 bytes), each K-step's
+product goes into a fresh accumulator that one FFMA a column multiplies by its block's fp32
+scale into the running one, and the columns are summed once at the end. The MXFP4 row
+maximum (and its prologue of scale loads) goes, and every E8M0 scale is exact but 2**-127
+(byte 0, flushed to 0). Offline sm_90 SASS of the T = 1 launch: gate/up loop 724 -> 631
+instructions, down 416 -> 357 (the 128 HMUL2 gone, 16 FFMA and the scale loads added).
+Measured (H200, `dsv4lab bench moe` rows at b7e6296, where it was the T = 1 default): MXFP4
+57.4 us against 57.0 with the scales on the weights, NVFP4 60.5 against 58.3. So the loop's
+issue rate does not bound T = 1 either, and the default keeps the scales on the weights.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

@@ -2,6 +2,7 @@
 
     python scripts/profile_moe.py [--tokens 1 64] [--reps 20]
     python scripts/profile_moe.py --timeline      # inside the T = 1 one-launch decode
+    python scripts/profile_moe.py --timeline --variant mma2_acc_scale_t1   # a bench variant's
 
 ``--timeline``: the table's T = 1 config (kernels/moe_mma2.py's FUSED launch) with each
 tile's %globaltimer stamps (moe_mma2.TIMELINE_POINTS): when the gate/up and down tiles
@@ -50,9 +51,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", nargs="*", default=None, help="names to profile (default: all)")
     ap.add_argument("--timeline", action="store_true", help="stamps inside the T = 1 fused launch")
+    ap.add_argument("--variant", default=None,
+                    help="with --timeline: a fused variant of dsv4lab.benchmarks.moe.VARIANTS "
+                         "instead of the table's T = 1 config")
     args = ap.parse_args()
     if args.timeline:
-        return fused_timeline()
+        cfg = None
+        if args.variant is not None:
+            named = dict(VARIANTS)
+            if args.variant not in named or not (named[args.variant].get("MMA2") or {}).get("FUSED"):
+                ap.error(f"--variant: one of the fused variants "
+                         f"{[n for n, c in VARIANTS if (c.get('MMA2') or {}).get('FUSED')]}, "
+                         f"got {args.variant!r}")
+            cfg = named[args.variant]
+        return fused_timeline(config=cfg, label=args.variant or "the table's T = 1 config")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
@@ -79,8 +91,9 @@ def main() -> None:
                 print(f"    {t / args.reps:9.1f} us  {100 * t / tot:5.1f}%  {kname[:90]}")
 
 
-def fused_timeline(reps: int = 5) -> None:
-    """Print the T = 1 fused launch's timeline (median over ``reps`` calls of each figure)."""
+def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config") -> None:
+    """Print the T = 1 fused launch's timeline (median over ``reps`` calls of each figure), of
+    the table's config or ``config`` (a full kernel config with a FUSED MMA2 entry)."""
     import statistics
 
     from dsv4lab.kernels import moe_mma2
@@ -93,7 +106,7 @@ def fused_timeline(reps: int = 5) -> None:
     figures = defaultdict(list)
     for rep in range(reps + 1):
         fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt="mxfp4",
-                  swiglu_limit=10.0, backend="triton")
+                  swiglu_limit=10.0, backend="triton", kernel_config=config)
         torch.cuda.synchronize()
         st, n_gu = moe_mma2.timeline()
         st = st.cpu().double()
@@ -128,7 +141,8 @@ def fused_timeline(reps: int = 5) -> None:
             tb = t0 + span * (b + 0.5) / bins
             conc.append(int(((st[:, 0] <= tb) & (end(st) > tb)).sum()))
         figures["tiles running at 1/12 .. 12/12 of the span"].append(conc)
-    print(f"T = 1 fused decode, {st.shape[0]} tiles ({n_gu} gate/up), median of {reps} calls:")
+    print(f"T = 1 fused decode ({label}), {st.shape[0]} tiles ({n_gu} gate/up), median of "
+          f"{reps} calls:")
     for name, vals in figures.items():
         if isinstance(vals[0], list):
             print(f"  {name}: {[int(statistics.median(c)) for c in zip(*vals)]}")
