@@ -76,6 +76,16 @@ instructions, down 416 -> 357 (the 128 HMUL2 gone, 16 FFMA and the scale loads a
 Measured (H200, `dsv4lab bench moe` rows at b7e6296, where it was the T = 1 default): MXFP4
 57.4 us against 57.0 with the scales on the weights, NVFP4 60.5 against 58.3. So the loop's
 issue rate does not bound T = 1 either, and the default keeps the scales on the weights.
+Nor does occupancy: x's ring one row deep (a pair's single token broadcast to every column of
+the B operand from [1, 64] buffers; 38.7 -> 27.9 KB of shared memory a tile, 7 tiles an SM
+instead of 5, loop 724 -> 697 instructions) measured 58.4 us against the default's 56.7
+(MXFP4; NVFP4 57.6 / 57.7), and with a 4-stage ring of one K-step a stage (18.7 KB, 11 tiles
+an SM) 66.4 (bench variants mma2_x1_t1, mma2_x1_s4_n1_t1, rows at cd112ea; the code is gone).
+A one-off Nsight Compute reading of the default (clocks locked to base, not a recorded row):
+DRAM 29% and L2 50% of peak, one instruction issued every 2.1 cycles a scheduler: no unit near
+its limit, so each tile's chain of dependent latencies (ticket, routing, the ring's first
+stage, the split-K and pair counters) is what remains to overlap (a persistent launch that
+fetches its next tile during the current one's loop: not written).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -296,22 +306,16 @@ def _issue_mat(w_smem, s_smem, idx, w_rows, s_rows, nm_w, nm_s, k, live,
 @gluon.jit
 def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_rows, xmask, st,
            nst, NSC: gl.constexpr, CPW: gl.constexpr, CPS: gl.constexpr, CPX: gl.constexpr,
-           NMAT: gl.constexpr, NSPS: gl.constexpr, XBLK: gl.constexpr = 0, X1: gl.constexpr = False):
+           NMAT: gl.constexpr, NSPS: gl.constexpr, XBLK: gl.constexpr = 0):
     """cp.async stage st (K-steps st * NSPS ..) of the slice into ring slot ``slot``
     (nothing when st >= nst): NSPS consecutive 64-byte steps of every row at once, so
     that a row's bytes reach the memory system as 64 * NSPS contiguous bytes. ``XBLK``
     (ACC_SCALE: packed bytes a scale block): x's row n keeps only the columns of scale block
     n (sigma puts the element of weight byte b in column b: block b // XBLK), zero-filled
-    elsewhere; whole 16-byte chunks either way. ``X1``: x_rows / xmask are one row's scalars
-    and x's buffers [1, 64]."""
+    elsewhere; whole 16-byte chunks either way."""
     live = st < nst
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
-    if X1:
-        x_rows = gl.expand_dims(x_rows + 0 * cx, 0)          # [1, 64] (the row, then columns)
-        xm = gl.expand_dims((cx >= 0) & xmask, 0) & live
-    else:
-        x_rows = x_rows[:, None]
-        xm = xmask[:, None] & live
+    xm = xmask[:, None] & live
     if XBLK:
         n = gl.arange(0, BM, layout=gl.SliceLayout(1, CPX))
         xm = xm & ((cx // XBLK)[None, :] == n[:, None])
@@ -324,7 +328,7 @@ def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_r
         for h in gl.static_range(2):
             async_copy.async_copy_global_to_shared(
                 x_smem.index((slot * NSPS + j) * 2 + h),
-                x_rows + (k * 128 + h * 64 + cx)[None, :], mask=xm)
+                x_rows[:, None] + (k * 128 + h * 64 + cx)[None, :], mask=xm)
     async_copy.commit_group()
 
 
@@ -339,16 +343,6 @@ def _step(acc, xe, xo, w_smem, s_smem, idx, smax, IS_NV: gl.constexpr, BN: gl.co
     lo, hi = _decode(p, mexp, ASM)
     acc = mma_v2(_to_a_operand(lo, BN, A_OP), xe, acc)
     return mma_v2(_to_a_operand(hi, BN, A_OP), xo, acc)
-
-
-@gluon.jit
-def _x_rows_alike(x_smem, i, CPX: gl.constexpr):
-    """X1: x's row from [1, 64] buffer i as a [BM, 64] tile of BM copies of it (a broadcast:
-    no instructions; the mma's columns then all compute the token's dot, column 0 is read)."""
-    row = x_smem.index(i).load(CPX)
-    n = gl.arange(0, BM, layout=gl.SliceLayout(1, CPX))
-    row, n = gl.broadcast(row, gl.expand_dims(n, 1))
-    return row
 
 
 @gluon.jit
@@ -370,15 +364,12 @@ def _step_acc_scale(acc, zero, xe, xo, w_smem, s_smem, idx, IS_NV: gl.constexpr,
 def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
             IS_NV: gl.constexpr, BN: gl.constexpr, NMAT: gl.constexpr, STAGES: gl.constexpr,
             NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-            ACC_SCALE: gl.constexpr = False, X1: gl.constexpr = False):
+            ACC_SCALE: gl.constexpr = False):
     """sum over the slice's K-steps of w . x^T for one or two (NMAT) weight matrices, given
     their rows' first weight byte (w*), first scale byte (s*), validity (m*) and MXFP4 row
     maximum (smax*), [BN] each: (acc0, acc1), [BN, BM] in the mma layout. ``ACC_SCALE`` (one
     token, whose row x_rows gives for every column; ASM = CVT8_RAW_ASM): the block scales
-    applied to the accumulator (:func:`_step_acc_scale`), the result in every column. ``X1``
-    (one token; x_rows / xmask its row's scalars): x's ring holds that row alone ([1, 64]
-    buffers instead of [BM, 64]: 38.7 -> 27.9 KB of shared memory for the 2-warp T = 1 tile),
-    broadcast to every column of the B operand (every column of the result is the token's)."""
+    applied to the accumulator (:func:`_step_acc_scale`), the result in every column."""
     W: gl.constexpr = num_warps
     GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
     NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
@@ -397,10 +388,7 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     SWZ: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
     w_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, SEG_BYTES], PLAIN)
     s_smem = gl.allocate_shared_memory(gl.uint8, [STAGES * NMAT * NSPS, BN, SCW], PLAIN)
-    if X1:      # every lane reads the same row: no bank conflicts without a swizzle
-        x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NSPS * 2, 1, 64], PLAIN)
-    else:
-        x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NSPS * 2, BM, 64], SWZ)
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES * NSPS * 2, BM, 64], SWZ)
     RW: gl.constexpr = gl.SliceLayout(1, CPW)
     RS: gl.constexpr = gl.SliceLayout(1, CPS)
     w0 = gl.convert_layout(w0, RW)
@@ -413,32 +401,24 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     m1s = gl.convert_layout(m1, RS)
     smax0 = gl.convert_layout(smax0, RL)
     smax1 = gl.convert_layout(smax1, RL)
-    if X1:
-        xr = x_rows
-        xm = xmask
-    else:
-        xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
-        xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))
+    xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
+    xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))
     nst = nseg // NSPS
     XBLK: gl.constexpr = GS if ACC_SCALE else 0
     for st in gl.static_range(STAGES - 1):
         _issue(w_smem, s_smem, x_smem, st, w0, s0, m0w, m0s, w1, s1, m1w, m1s, xr, xm, st, nst,
-               NSC, CPW, CPS, CPX, NMAT, NSPS, XBLK, X1)
+               NSC, CPW, CPS, CPX, NMAT, NSPS, XBLK)
     acc0 = gl.zeros([BN, BM], gl.float32, layout=MMA)
     acc1 = gl.zeros([BN, BM], gl.float32, layout=MMA)
     zero = gl.zeros([BN, BM], gl.float32, layout=MMA)
     for st in range(nst):
         _issue(w_smem, s_smem, x_smem, (st + STAGES - 1) % STAGES, w0, s0, m0w, m0s, w1, s1,
-               m1w, m1s, xr, xm, st + STAGES - 1, nst, NSC, CPW, CPS, CPX, NMAT, NSPS, XBLK, X1)
+               m1w, m1s, xr, xm, st + STAGES - 1, nst, NSC, CPW, CPS, CPX, NMAT, NSPS, XBLK)
         async_copy.wait_group(STAGES - 1)
         slot = st % STAGES
         for j in gl.static_range(NSPS):
-            if X1:
-                xe = _to_b_operand(_x_rows_alike(x_smem, (slot * NSPS + j) * 2, CPX), B_OP)
-                xo = _to_b_operand(_x_rows_alike(x_smem, (slot * NSPS + j) * 2 + 1, CPX), B_OP)
-            else:
-                xe = _to_b_operand(x_smem.index((slot * NSPS + j) * 2).load(CPX), B_OP)
-                xo = _to_b_operand(x_smem.index((slot * NSPS + j) * 2 + 1).load(CPX), B_OP)
+            xe = _to_b_operand(x_smem.index((slot * NSPS + j) * 2).load(CPX), B_OP)
+            xo = _to_b_operand(x_smem.index((slot * NSPS + j) * 2 + 1).load(CPX), B_OP)
             if ACC_SCALE:
                 acc0 = _step_acc_scale(acc0, zero, xe, xo, w_smem, s_smem, (slot * NMAT) * NSPS + j,
                                        IS_NV, BN, NS, GS, WL, A_OP, MMA, ASM)
@@ -659,8 +639,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
                    SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
-                   X1: gl.constexpr = False):
+                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -679,9 +658,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
       ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
       over the pairs and slices in order and writes out.
     ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
-    ASM = CVT8_RAW_ASM), the token's x in row 0 of x's buffers. ``X1``: x's buffers hold the
-    token's row alone, broadcast to every column of the mma; column 0 is read (see
-    :func:`_k_loop`)."""
+    ASM = CVT8_RAW_ASM), the token's x in row 0 of x's buffers."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -708,8 +685,6 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         e = gl.load(ids_ptr + p)
         t = p // TOPK
         col = m == t
-        if X1:          # the token's column (addresses do not depend on it)
-            col = m == 0
         offs_n = pn * BN1 + gl.arange(0, BN1, layout=ROWS)
         if e >= 0:
             _, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, sp, I, nseg1,
@@ -723,13 +698,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             xmask = col
             if ACC_SCALE:                       # the token's row in every column, by block
                 xmask = m >= 0
-            if X1:
-                x_rows = xp_ptr + t.to(gl.int64) * stride_xt + sp * nseg1 * 128
-                xmask = e >= 0
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, xmask,
-                                   nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps, ACC_SCALE,
-                                   X1)
+                                   nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps, ACC_SCALE)
             _stamp(stamps_ptr, tile, 3, num_warps)
             gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV, ACC_SCALE)
             up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV, ACC_SCALE)
@@ -765,8 +736,6 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         if e >= 0:
             t = p // TOPK
             col = m == t
-            if X1:
-                col = m == 0
             _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
                                                 stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
                                                 num_warps, ACC_SCALE)
@@ -778,11 +747,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             amask = col
             if ACC_SCALE:
                 amask = m >= 0
-            if X1:
-                a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128
-                amask = e >= 0
             acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
-                                  IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE, X1)
+                                  IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
             _stamp(stamps_ptr, tile, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
@@ -803,7 +769,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "X1")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -825,7 +791,7 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None, ACC_SCALE=False, X1=False):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -833,8 +799,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``CVT8``: the decode (None: CVT8_ASM on sm_89+, FASTDEC's elsewhere; True / False force).
     ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
     accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
-    it can run, else not. ``X1`` (the fused launch only, not with ACC_SCALE): x's ring holds
-    the token's row alone (see :func:`_k_loop`).
+    it can run (the table's T = 1 entry), else not.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -852,9 +817,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     acc_ok = CVT8 is not False and torch.cuda.get_device_capability(x.device) >= (8, 9)
     if ACC_SCALE is None:
         ACC_SCALE = acc_ok
-    if ACC_SCALE and X1:
-        raise ValueError("moe_mma2: X1 and ACC_SCALE exclude each other (ACC_SCALE spreads the "
-                         "token's x over the mma's columns by scale block)")
     if ACC_SCALE and not acc_ok:
         raise ValueError("moe_mma2: ACC_SCALE decodes with CVT8_RAW_ASM, which needs sm_89 or "
                          "newer (cvt.f16x2.e5m2x2) and CVT8 not False")
@@ -884,7 +846,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if FUSED and T <= int(BM):
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
-                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, X1)
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
@@ -921,7 +883,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8, ACC_SCALE=False, X1=False):
+                  PREFETCH, num_warps, CVT8, ACC_SCALE=False):
     """:func:`_decode_kernel` on x's copy ``xp`` (T <= BM tokens; the splits already picked)."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
@@ -950,7 +912,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), X1=bool(X1))
+        ACC_SCALE=bool(ACC_SCALE))
     return out
 
 

@@ -151,12 +151,6 @@ VARIANTS = [
     # ACC_SCALE: 13-14% fewer loop instructions, measured no faster; recorded at b7e6296 as
     # the default, against this entry as mma2_scaled_w_t1)
     ("mma2_acc_scale_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, ACC_SCALE=True))),
-    # Session 10: the T = 1 entry with x's ring one row deep (moe_mma2 X1: 38.7 -> 27.9 KB of
-    # shared memory a tile, 7 tiles an SM instead of 5), and X1 with a 4-stage ring of one
-    # K-step a stage (18.7 KB: 11 an SM) or of two (37.1 KB)
-    ("mma2_x1_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, X1=True))),
-    ("mma2_x1_s4_n1_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, X1=True, STAGES=4, NSPS=1))),
-    ("mma2_x1_s4_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, X1=True, STAGES=4))),
     ("mma2_fastdec_t64", dict(PLAIN, MMA2=dict(_MMA2_T64, CVT8=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
@@ -168,8 +162,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
                 "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
                 "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
-                "mma2_acc_scale_t1": (1,), "mma2_x1_t1": (1,), "mma2_x1_s4_n1_t1": (1,),
-                "mma2_x1_s4_t1": (1,),
+                "mma2_acc_scale_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
