@@ -84,8 +84,12 @@ an SM) 66.4 (bench variants mma2_x1_t1, mma2_x1_s4_n1_t1, rows at cd112ea; the c
 A one-off Nsight Compute reading of the default (clocks locked to base, not a recorded row):
 DRAM 29% and L2 50% of peak, one instruction issued every 2.1 cycles a scheduler: no unit near
 its limit, so each tile's chain of dependent latencies (ticket, routing, the ring's first
-stage, the split-K and pair counters) is what remains to overlap (a persistent launch that
-fetches its next tile during the current one's loop: not written).
+stage, the split-K and pair counters) is what remains to overlap. A persistent launch (5
+programs an SM taking tickets until none is left, a gate/up tile asking for its next ticket
+before it starts) did not overlap enough of it: 58.5 us against the default's 56.8 (MXFP4;
+NVFP4 61.4 / 57.9; bench variant mma2_persist_t1, rows at 60b3647; the code is gone). What
+it does not overlap is the next tile's routing loads and first ring stage, which a program
+would have to issue while the current tile's loop runs.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -96,8 +100,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-
-from dsv4lab.kernels.device import sm_count
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
@@ -616,16 +618,6 @@ def _stamp(stamps, tile, point: gl.constexpr, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _now():
-    """TIMELINE: %globaltimer (ns); 0 otherwise."""
-    t = 0
-    if TIMELINE:
-        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t], dtype=gl.int64,
-                                      is_pure=False, pack=1)
-    return t
-
-
-@gluon.jit
 def _pair_tile(ptr, row, stride, offs_n, m):
     """[BN, BM] pointers to columns offs_n of row ``row`` of a [rows, stride] buffer, the same
     row for every token column (a pair's block holds one token; masks pick its column)."""
@@ -643,17 +635,34 @@ def _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit,
 
 
 @gluon.jit
-def _decode_tile(tile, t0, xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
-                 act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H,
-                 stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
-                 stride_w2n, stride_s2e, stride_s2n, stride_act, stride_part, stride_y,
-                 stride_out, swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                 BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
-                 SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
-                 NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
-                 num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False):
-    """One tile of :func:`_decode_kernel` (its ticket ``tile``; ``t0`` the TIMELINE start)."""
+def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
+                   act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H,
+                   stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_act, stride_part, stride_y,
+                   stride_out, swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                   BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
+                   SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
+                   NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
+                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False):
+    """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
+    (token, slot) pair is its own block of one token, in column t of the mma tile.
 
+    Tiles are handed out in the order programs start (a ticket counter), gate/up tiles
+    first, pair by pair, then the down tiles, pair by pair: a program that waits only ever
+    waits for tiles already handed to running programs, so the launch cannot deadlock
+    whatever order the hardware starts programs in. Counters (ctr_ptr, zeroed by the
+    launcher): [0] the ticket; [1 + p] pair p's finished gate/up row tiles; [1 + P + n] the
+    finished down tiles of hidden rows n * BN2 ...; [1 + P + H / BN2 + g] the finished K
+    slices of gate/up row tile g (split-K only).
+    - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over a K
+      slice of H; split over K (SPLIT1), fp32 partials, the last slice to finish sums them
+      in order; then the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), released;
+    - a down tile: BN2 rows of pair p's down projection over a K slice of I (their bytes
+      prefetched to L2 while it waits for act[p]), times the routing weight, stored to
+      ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
+      over the pairs and slices in order and writes out.
+    ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
+    ASM = CVT8_RAW_ASM), the token's x in row 0 of x's buffers."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -662,6 +671,11 @@ def _decode_tile(tile, t0, xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
     n_gu = P * n_tiles1 * SPLIT1
     nseg1 = H // 128 // SPLIT1
     nseg2 = I // 128 // SPLIT2
+    t0 = 0
+    if TIMELINE:
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
+                                       is_pure=False, pack=1)
+    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     if TIMELINE:
         gl.store(stamps_ptr + tile * 8, t0)
         _stamp(stamps_ptr, tile, 1, num_warps)
@@ -758,74 +772,8 @@ def _decode_tile(tile, t0, xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
         _stamp(stamps_ptr, tile, 4, num_warps)
 
 
-@gluon.jit
-def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
-                   act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H,
-                   stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
-                   stride_w2n, stride_s2e, stride_s2n, stride_act, stride_part, stride_y,
-                   stride_out, swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
-                   BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
-                   SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
-                   NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
-                   PERSIST: gl.constexpr = 0):
-    """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
-    (token, slot) pair is its own block of one token, in column t of the mma tile.
-
-    Tiles are handed out in the order programs start (a ticket counter), gate/up tiles
-    first, pair by pair, then the down tiles, pair by pair: a program that waits only ever
-    waits for tiles already handed to running programs, so the launch cannot deadlock
-    whatever order the hardware starts programs in. Counters (ctr_ptr, zeroed by the
-    launcher): [0] the ticket; [1 + p] pair p's finished gate/up row tiles; [1 + P + n] the
-    finished down tiles of hidden rows n * BN2 ...; [1 + P + H / BN2 + g] the finished K
-    slices of gate/up row tile g (split-K only).
-    - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over a K
-      slice of H; split over K (SPLIT1), fp32 partials, the last slice to finish sums them
-      in order; then the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), released;
-    - a down tile: BN2 rows of pair p's down projection over a K slice of I (their bytes
-      prefetched to L2 while it waits for act[p]), times the routing weight, stored to
-      ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
-      over the pairs and slices in order and writes out.
-    ``PERSIST`` (> 0: the grid is PERSIST programs an SM): each program takes ticket after
-    ticket until none is left, a gate/up tile's program asking for its next ticket before it
-    starts the tile (its atomic's round trip hidden; a gate/up tile never waits, so a ticket
-    held that way is always run), a down tile's after it ends.
-    ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
-    ASM = CVT8_RAW_ASM), the token's x in row 0 of x's buffers."""
-    n_total = P * (I // BN1) * SPLIT1 + P * (H // BN2) * SPLIT2
-    n_gu = P * (I // BN1) * SPLIT1
-    t0 = _now()
-    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-    if PERSIST:
-        while tile < n_total:
-            nxt = tile * 0 + n_total
-            if tile < n_gu:
-                nxt = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-            _decode_tile(tile, t0, xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr,
-                         ids_ptr, topk_w_ptr, act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr,
-                         stamps_ptr, P, T, TOPK, I, H, stride_xt, stride_w13e,
-                         stride_w13n, stride_s13e, stride_s13n, stride_w2e,
-                         stride_w2n, stride_s2e, stride_s2n, stride_act,
-                         stride_part, stride_y, stride_out, swiglu_limit, IS_NV,
-                         HAS_LIMIT, BN1, BN2, SPLIT1, SPLIT2, STAGES, NSPS1, NSPS2,
-                         PREFETCH, ASM, num_warps, ACC_SCALE)
-            t0 = _now()
-            if tile >= n_gu:
-                nxt = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-            tile = nxt
-    else:
-        _decode_tile(tile, t0, xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr,
-                     topk_w_ptr, act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr,
-                     stamps_ptr, P, T, TOPK, I, H, stride_xt, stride_w13e,
-                     stride_w13n, stride_s13e, stride_s13n, stride_w2e, stride_w2n,
-                     stride_s2e, stride_s2n, stride_act, stride_part, stride_y,
-                     stride_out, swiglu_limit, IS_NV, HAS_LIMIT, BN1, BN2, SPLIT1,
-                     SPLIT2, STAGES, NSPS1, NSPS2, PREFETCH, ASM, num_warps,
-                     ACC_SCALE)
-
-
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PERSIST")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -847,7 +795,7 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None, ACC_SCALE=False, PERSIST=0):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -855,8 +803,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``CVT8``: the decode (None: CVT8_ASM on sm_89+, FASTDEC's elsewhere; True / False force).
     ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
     accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
-    it can run, else not. ``PERSIST`` (the fused launch only): that many programs an SM, each
-    taking tickets until none is left (see :func:`_decode_kernel`); 0: a program a tile.
+    it can run (the table's T = 1 entry), else not.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -903,7 +850,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if FUSED and T <= int(BM):
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
-                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, PERSIST)
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
@@ -940,7 +887,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8, ACC_SCALE=False, PERSIST=0):
+                  PREFETCH, num_warps, CVT8, ACC_SCALE=False):
     """:func:`_decode_kernel` on x's copy ``xp`` (T <= BM tokens; the splits already picked)."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
@@ -954,11 +901,10 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
     counters = torch.zeros(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    n_tiles = P * (I // BN1) * split1 + P * (H // BN2) * split2
-    grid = (min(n_tiles, PERSIST * sm_count(dev, cpu=8)) if PERSIST else n_tiles,)
+    grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
     stamps = counters
     if TIMELINE:
-        stamps = torch.zeros(n_tiles, 8, dtype=torch.int64, device=dev)
+        stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
         _LAST_TIMELINE[:] = [stamps, P * (I // BN1) * split1]
     _decode_kernel[grid](
         xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters,
@@ -970,7 +916,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PERSIST=int(PERSIST))
+        ACC_SCALE=bool(ACC_SCALE))
     return out
 
 

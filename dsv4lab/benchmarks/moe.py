@@ -151,10 +151,6 @@ VARIANTS = [
     # ACC_SCALE: 13-14% fewer loop instructions, measured no faster; recorded at b7e6296 as
     # the default, against this entry as mma2_scaled_w_t1)
     ("mma2_acc_scale_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, ACC_SCALE=True))),
-    # the T = 1 entry as a persistent launch (moe_mma2 PERSIST: 5 programs an SM, what shared
-    # memory allows, each taking tickets until none is left, a gate/up tile's next ticket asked
-    # for before it starts)
-    ("mma2_persist_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, PERSIST=5))),
     ("mma2_fastdec_t64", dict(PLAIN, MMA2=dict(_MMA2_T64, CVT8=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
@@ -166,7 +162,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
                 "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
                 "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
-                "mma2_acc_scale_t1": (1,), "mma2_persist_t1": (1,),
+                "mma2_acc_scale_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
