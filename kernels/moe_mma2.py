@@ -120,16 +120,9 @@ def _decode(p, mexp, ASM: gl.constexpr):
                                      dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
 
 
-# CVT8 (sm_89 and newer): FASTDEC's decode with the hardware's fp8 -> fp16 conversion doing
-# the bit placement. An E2M1 nibble s e1 e0 m written as the e5m2 byte s 000 e1 e0 m 0 reads
-# ``value * 2**-14`` exactly (e1 e0 the low exponent bits, bias 15; e = 0 lands on e5m2's
-# subnormals as E2M1's does), the same fp16 FASTDEC builds, so the two decodes agree bit for
-# bit. Per 4 packed bytes: the low nibbles' bytes (shl, shl, and, lop3), the high nibbles'
-# (shr, and, lop3), four ``cvt.rn.f16x2.e5m2x2`` and the four block-scale multiplies: 15
-# instructions against FASTDEC's 19. Outputs as FASTDEC's ($0, $1: low nibbles of bytes 0-1,
-# 2-3; $2, $3: high nibbles; $5, $6 the multipliers of bytes 0-1 and 2-3).
-CVT8_ASM = """
-{
+# CVT8's bit placement ($4: 4 packed bytes): the bytes of the low nibbles as e5m2 in l, of the
+# high nibbles in h, each split into 16-bit halves (l0 l1, h0 h1) for the conversions.
+_CVT8_PLACE = """
 .reg .b32 u, v, l, h;
 .reg .b16 l0, l1, h0, h1;
 shl.b32 u, $4, 4;
@@ -141,7 +134,18 @@ and.b32 u, u, 0x0E0E0E0E;
 lop3.b32 h, $4, u, 0x80808080, 0xEC;
 mov.b32 {l0, l1}, l;
 mov.b32 {h0, h1}, h;
-cvt.rn.f16x2.e5m2x2 u, l0;
+"""
+
+
+# CVT8 (sm_89 and newer): FASTDEC's decode with the hardware's fp8 -> fp16 conversion doing
+# the bit placement. An E2M1 nibble s e1 e0 m written as the e5m2 byte s 000 e1 e0 m 0 reads
+# ``value * 2**-14`` exactly (e1 e0 the low exponent bits, bias 15; e = 0 lands on e5m2's
+# subnormals as E2M1's does), the same fp16 FASTDEC builds, so the two decodes agree bit for
+# bit. Per 4 packed bytes: the low nibbles' bytes (shl, shl, and, lop3), the high nibbles'
+# (shr, and, lop3), four ``cvt.rn.f16x2.e5m2x2`` and the four block-scale multiplies: 15
+# instructions against FASTDEC's 19. Outputs as FASTDEC's ($0, $1: low nibbles of bytes 0-1,
+# 2-3; $2, $3: high nibbles; $5, $6 the multipliers of bytes 0-1 and 2-3).
+CVT8_ASM = "\n{" + _CVT8_PLACE + """cvt.rn.f16x2.e5m2x2 u, l0;
 mul.rn.f16x2 $0, u, $5;
 cvt.rn.f16x2.e5m2x2 u, l1;
 mul.rn.f16x2 $1, u, $6;
@@ -156,20 +160,7 @@ mul.rn.f16x2 $3, u, $6;
 # ACC_SCALE's decode (sm_89 and newer): CVT8_ASM without the four multiplies (11 instructions
 # per 4 bytes): the nibbles as fp16 ``value * 2**-14``; the block scales go on the
 # accumulator instead (see :func:`_step_acc_scale`).
-CVT8_RAW_ASM = """
-{
-.reg .b32 u, v, l, h;
-.reg .b16 l0, l1, h0, h1;
-shl.b32 u, $4, 4;
-shl.b32 v, $4, 1;
-and.b32 v, v, 0x0E0E0E0E;
-lop3.b32 l, u, v, 0x80808080, 0xEC;
-shr.b32 u, $4, 3;
-and.b32 u, u, 0x0E0E0E0E;
-lop3.b32 h, $4, u, 0x80808080, 0xEC;
-mov.b32 {l0, l1}, l;
-mov.b32 {h0, h1}, h;
-cvt.rn.f16x2.e5m2x2 $0, l0;
+CVT8_RAW_ASM = "\n{" + _CVT8_PLACE + """cvt.rn.f16x2.e5m2x2 $0, l0;
 cvt.rn.f16x2.e5m2x2 $1, l1;
 cvt.rn.f16x2.e5m2x2 $2, h0;
 cvt.rn.f16x2.e5m2x2 $3, h1;
