@@ -619,8 +619,9 @@ DEVICE_TABLE: dict = {
         # slower. Elsewhere (H != 64, sm_80, sm_120) this entry runs the plain loop, N32 w8 s4.
         # part16 and pdl act on split-KV launches only. B64 S1: 61.6 -> 58.5 us with both,
         # rows at 12dd69a (variants ws_ss_n32_b4 / ws_ss_n32_b4_p16_pdl; p16 alone 59.7, pdl
-        # alone 61.0). An A/B printout at 69d57c9 (scripts/ab_sparse_mla.py, then a copy
-        # outside the tree; the bench's CUDA-graph timing, base / p16 / pdl / both, us): p16 faster everywhere (B1 S4
+        # alone 61.0). An A/B printout at 69d57c9 (scripts/ab_sparse_mla.py's method, run from
+        # an untracked copy; base / p16 / pdl / both, us; its B64 S1 line met the one-load
+        # combine, since reverted, the shapes below the one-a-head combine): p16 faster everywhere (B1 S4
         # T2048 22.1 / 19.5, B8 S1 T2048 26.6 / 24.3, B8 S4 T2048 36.2 / 33.4, B1 S1 T640
         # 10.8 / 10.7); pdl faster at B1 S1 T640 (9.9 with both) and B1 S4 T640 (15.9 / 13.7
         # with both) but slower at B1 S4 T2048 (27.8) and B8 S1 T2048 (29.3), so the small
