@@ -982,6 +982,15 @@ def test_xpre_seg_order(H):
     assert torch.equal(xk, want)
 
 
+# what the drawn moe_mma2 GPU tests draw besides T and the launch: experts, top-k, sizes,
+# format, clamp, routing (every token on one expert, -1 slots) and the seed
+_MMA2_DRAWS = dict(E=st.integers(2, 12), k=st.integers(1, 6), H=st.sampled_from([512, 1024]),
+                   I=st.sampled_from([512, 1536]), fmt=st.sampled_from(["mxfp4", "nvfp4"]),
+                   limit=st.sampled_from([None, 10.0]),
+                   routing=st.sampled_from(["random", "skewed", "holes"]),
+                   seed=st.integers(0, 1000))
+
+
 def _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed):
     """A drawn moe_mma2 case on the GPU: inputs, routing, the fp32 torch reference and the
     NVFP4 globals expanded to [E] device tensors (what the kernels read)."""
@@ -999,14 +1008,11 @@ def _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed):
 @gpu
 @pytest.mark.gpu
 @settings(max_examples=12, deadline=None)
-@given(T=st.integers(1, 40), E=st.integers(2, 12), k=st.integers(1, 6),
-       H=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]),
-       fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
-       routing=st.sampled_from(["random", "skewed", "holes"]),
+@given(T=st.integers(1, 40),
        launch=st.sampled_from([dict(), dict(SPLIT1=2, SPLIT2=2, NSPS=1, STAGES=3),
                                dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2),
                                dict(BN1=128, BN2=128, num_warps=8, STAGES=2)]),
-       seed=st.integers(0, 1000))
+       **_MMA2_DRAWS)
 def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # the Gluon GEMMs against the fp32 reference over drawn shapes: tokens past one block of 8
     # (skewed: every token on one expert), -1 slots, both formats, with and without the clamp,
@@ -1022,16 +1028,13 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
 @gpu
 @pytest.mark.gpu
 @settings(max_examples=18, deadline=None)
-@given(T=st.integers(1, 11), E=st.integers(2, 12), k=st.integers(1, 6),
-       H=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]),
-       fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
-       routing=st.sampled_from(["random", "skewed", "holes"]),
+@given(T=st.integers(1, 11),
        launch=st.sampled_from([dict(), dict(BN1=64, BN2=64, STAGES=3, NSPS=2),
                                dict(BN1=128, BN2=128, num_warps=8, STAGES=2, PREFETCH=False),
                                dict(BN1=32, BN2=32, num_warps=2, NSPS=4, NSPS2=1),
                                dict(SPLIT1=2, SPLIT2=2, BN1=64, BN2=64, STAGES=2, NSPS=2),
                                dict(SPLIT1=4, SPLIT2=4, BN1=64, BN2=64, STAGES=3, NSPS=1)]),
-       seed=st.integers(0, 1000))
+       **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
     # slices summed by the last one, the last down tile of a row range summing the pairs)
@@ -1075,15 +1078,12 @@ def test_gpu_mma2_cvt8_decode_is_bitwise_fastdec(fmt, launch):
 @gpu
 @pytest.mark.gpu
 @settings(max_examples=16, deadline=None)
-@given(T=st.integers(1, 8), E=st.integers(2, 12), k=st.integers(1, 6),
-       H=st.sampled_from([512, 1024]), I=st.sampled_from([512, 1536]),
-       fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 10.0]),
-       routing=st.sampled_from(["random", "skewed", "holes"]),
+@given(T=st.integers(1, 8),
        launch=st.sampled_from([dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
                                     num_warps=2),
                                dict(BN1=64, BN2=64, STAGES=2, NSPS=4),
                                dict(BN1=128, BN2=128, num_warps=8, STAGES=2, SPLIT1=2)]),
-       seed=st.integers(0, 1000))
+       **_MMA2_DRAWS)
 def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # ACC_SCALE (the fused decode with the block scales on the accumulator: x's row n holds
     # scale block n's elements, the mma's column n that block's partial dot) against the fp32
