@@ -863,7 +863,11 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     block_dv = block_d if v_from_k else max(16, triton.next_power_of_2(d_v))
     split = splits > 1
     if split:
-        opart = torch.empty(B * S_q * splits * H * d_v, dtype=torch.float32, device=dev)
+        # partials in q's dtype with Config.part16 (the tuner's candidates keep fp32; the
+        # kernels store and the combine reads either)
+        part16 = config is not None and config.part16 and q.dtype != torch.float32
+        opart = torch.empty(B * S_q * splits * H * d_v, dtype=q.dtype if part16 else torch.float32,
+                            device=dev)
         lpart = torch.empty(B * S_q * splits * H, dtype=torch.float32, device=dev)
     else:
         opart = lpart = lse       # unused
@@ -909,8 +913,6 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
                                                lazy=config.lazy, seesaw=config.seesaw,
                                                merge_pair=config.merge_pair,
                                                part16=config.part16, pdl=config.pdl)
-    if split and config.part16 and q.dtype != torch.float32:
-        opart = torch.empty(opart.numel(), dtype=q.dtype, device=dev)   # launch() reads it late
     launch(config)
     if split:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=bool(config.pdl) and pdl_ok(dev))
