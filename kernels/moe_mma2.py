@@ -653,7 +653,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
       ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
       over the pairs and slices in order and writes out.
     ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
-    ASM = CVT8_RAW_ASM), the token's x in row 0 of x's buffers."""
+    ASM = CVT8_RAW_ASM): row n of x's buffers holds the token's elements of scale block n."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
