@@ -58,12 +58,11 @@ def main() -> None:
     if args.timeline:
         cfg = None
         if args.variant is not None:
-            named = dict(VARIANTS)
-            if args.variant not in named or not (named[args.variant].get("MMA2") or {}).get("FUSED"):
-                ap.error(f"--variant: one of the fused variants "
-                         f"{[n for n, c in VARIANTS if (c.get('MMA2') or {}).get('FUSED')]}, "
+            fused = {n: c for n, c in VARIANTS if (c.get("MMA2") or {}).get("FUSED")}
+            if args.variant not in fused:
+                ap.error(f"--variant: one of the fused variants {list(fused)}, "
                          f"got {args.variant!r}")
-            cfg = named[args.variant]
+            cfg = fused[args.variant]
         return fused_timeline(config=cfg, label=args.variant or "the table's T = 1 config")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
