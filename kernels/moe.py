@@ -125,6 +125,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from dsv4lab.kernels.moe_align import (_align_body, align_buffers, align_kernel_fits, block_rows, moe_align,
                                        num_blocks_max)
@@ -880,6 +881,25 @@ def _moe_xpre_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr,
     128-column segment instead (kernels/moe_mma2.py's order)."""
     _xpre_body(x_ptr, xk_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), HP, stride_x,
                stride_xk, BH, PLANES, SEG)
+
+
+@triton.jit
+def _moe_xpre_zero_kernel(x_ptr, xk_ptr, zero_ptr, n_zero, HP, stride_x, stride_xk,
+                          BH: tl.constexpr, PDL: tl.constexpr = False):
+    """:func:`_moe_xpre_kernel` (SEG order) that also zeroes ``n_zero`` int32 at ``zero_ptr``
+    (program (0, 0)): the one-launch decode's x copy and its counters in one launch instead of
+    a copy and a fill. ``PDL``: the decode that reads both is a programmatic dependent launch
+    of this one (kernels/moe_mma2.py), which may be scheduled as soon as every program here
+    has started."""
+    if PDL:
+        gdc_launch_dependents()
+    pb = tl.program_id(1)
+    t = tl.program_id(0)
+    if (t == 0) & (pb == 0):
+        offs = tl.arange(0, BH)
+        for z0 in range(0, n_zero, BH):
+            tl.store(zero_ptr + z0 + offs, 0, mask=z0 + offs < n_zero)
+    _xpre_body(x_ptr, xk_ptr, t.to(tl.int64), pb, HP, stride_x, stride_xk, BH, 2, True)
 
 
 @triton.jit

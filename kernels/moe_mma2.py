@@ -581,6 +581,16 @@ def _prefetch_l2(rows, nbytes, BN: gl.constexpr, num_warps: gl.constexpr):
 
 
 @gluon.jit
+def _gdc_wait(num_warps: gl.constexpr):
+    """``griddepcontrol.wait``: everything the grid this one depends on (a programmatic
+    dependent launch) wrote is visible from here on."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r",
+                              [gl.arange(0, 32 * num_warps, layout=one)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _wait_count(ptr, target):
     """Spin until the counter at ptr reaches target (acquire: what its writers stored
     before their release is then visible to this program)."""
@@ -634,7 +644,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    BN1: gl.constexpr, BN2: gl.constexpr, SPLIT1: gl.constexpr,
                    SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False):
+                   num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
+                   PDL: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -653,7 +664,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
       ypair[slice, p]; the last of the P * SPLIT2 tiles of those rows to finish sums ypair
       over the pairs and slices in order and writes out.
     ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
-    ASM = CVT8_RAW_ASM): row n of x's buffers holds the token's elements of scale block n."""
+    ASM = CVT8_RAW_ASM): row n of x's buffers holds the token's elements of scale block n.
+    ``PDL``: launched as a programmatic dependent launch of the kernel that copies x and zeroes
+    the counters; every program waits for that kernel before its ticket."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -662,6 +675,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     n_gu = P * n_tiles1 * SPLIT1
     nseg1 = H // 128 // SPLIT1
     nseg2 = I // 128 // SPLIT2
+    if PDL:     # (the timeline's "program start" is then the end of this wait)
+        _gdc_wait(num_warps)
     t0 = 0
     if TIMELINE:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
@@ -764,7 +779,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -786,7 +801,7 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None, ACC_SCALE=False):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -795,6 +810,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
     accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
     it can run (the table's T = 1 entry), else not.
+    ``PDL`` (the fused launch only): x's copy also zeroes the launch's counters, and the launch
+    is its programmatic dependent launch, so its programs are scheduled while the copy runs
+    (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -836,12 +854,22 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     split2 = base._pick_split(I // 128 // nsps2, SPLIT2)
     xp = torch.empty(T, H, dtype=torch.float16, device=dev)     # x in sigma's order (P > 0: T > 0)
     BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
-    base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
-                                                       BH=BX, PLANES=2, SEG=True, num_warps=4)
     if FUSED and T <= int(BM):
+        from dsv4lab.kernels.device import pdl_ok
+        pdl = pdl_ok(dev) if PDL is None else bool(PDL)
+        if pdl and not pdl_ok(dev):
+            raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
+        # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
+        # _decode_kernel), zeroed by x's copy
+        counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
+        base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
+            x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
+            num_warps=4)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
-                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE)
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl)
+    base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
+                                                       BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
     nbm = block_expert.numel()
     act = torch.empty(P, I, dtype=torch.float16, device=dev)
@@ -878,8 +906,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8, ACC_SCALE=False):
-    """:func:`_decode_kernel` on x's copy ``xp`` (T <= BM tokens; the splits already picked)."""
+                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl):
+    """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
+    the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
     P = ids.numel()
@@ -888,8 +917,6 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
     part = torch.empty(split1 * P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
     ypair = torch.empty(split2 * P, H, dtype=torch.float32, device=dev)
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
-    # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see _decode_kernel)
-    counters = torch.zeros(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
     grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
@@ -907,7 +934,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE))
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, launch_pdl=pdl)
     return out
 
 

@@ -837,7 +837,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
     launch (sm_90+; see kernels/sparse_mla_mma.py Config)."""
-    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits, pdl_ok
+    from dsv4lab.kernels.device import pdl_ok
+    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
     need = smem_bytes(block_n, num_buf, seesaw, fp8)
     if (fp8 and block_n != 32) or need > SMEM_LIMIT:

@@ -982,6 +982,20 @@ def test_xpre_seg_order(H):
     assert torch.equal(xk, want)
 
 
+@pytest.mark.parametrize("H,n_zero", [(128, 1), (384, 700)])
+def test_xpre_zero_copies_and_zeroes_the_counters(H, n_zero):
+    # the fused decode's prelude: the same copy as _moe_xpre_kernel (SEG order), and the
+    # launch's n_zero counters zeroed, more than one block of them, and nothing past them
+    from dsv4lab.kernels import moe as kmoe
+    x = torch.randn(3, H)
+    xk = torch.empty(3, H, dtype=torch.float16)
+    ctr = torch.full((n_zero + 5,), 7, dtype=torch.int32)
+    kmoe._moe_xpre_zero_kernel[(3, 1)](x, xk, ctr, n_zero, H // 2, x.stride(0), xk.stride(0), BH=256)
+    want = (x * 2.0 ** -8).view(3, H // 128, 64, 2).transpose(2, 3).reshape(3, H).to(torch.float16)
+    assert torch.equal(xk, want)
+    assert (ctr[:n_zero] == 0).all() and (ctr[n_zero:] == 7).all()
+
+
 # what the drawn moe_mma2 GPU tests draw besides T and the launch: experts, top-k, sizes,
 # format, clamp, routing (every token on one expert, -1 slots) and the seed
 _MMA2_DRAWS = dict(E=st.integers(2, 12), k=st.integers(1, 6), H=st.sampled_from([512, 1024]),
@@ -1033,11 +1047,14 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                dict(BN1=128, BN2=128, num_warps=8, STAGES=2, PREFETCH=False),
                                dict(BN1=32, BN2=32, num_warps=2, NSPS=4, NSPS2=1),
                                dict(SPLIT1=2, SPLIT2=2, BN1=64, BN2=64, STAGES=2, NSPS=2),
-                               dict(SPLIT1=4, SPLIT2=4, BN1=64, BN2=64, STAGES=3, NSPS=1)]),
+                               dict(SPLIT1=4, SPLIT2=4, BN1=64, BN2=64, STAGES=3, NSPS=1),
+                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
+                                    num_warps=2, PDL=False)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
-    # slices summed by the last one, the last down tile of a row range summing the pairs)
+    # slices summed by the last one, the last down tile of a row range summing the pairs; on
+    # sm_90+ a programmatic dependent launch of x's copy, or not: PDL=False)
     # against the fp32 reference: one token to 8 (and 9-11, which take the grouped path),
     # every token on one expert, -1 slots, both formats, with and without the clamp; two calls
     # give the same bits (fixed sum order)

@@ -158,7 +158,8 @@ def test_mma_split_kv_matches_unsplit(splits, sink):
 @pytest.mark.parametrize("B, S, H", [(1, 1, 3), (2, 1, 16), (1, 2, 64), (3, 1, 64)])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("splits, part_dtype", [(3, torch.float32), (40, torch.float32),
-                                                (3, torch.bfloat16)])
+                                                (3, torch.bfloat16), (2, torch.float32),
+                                                (2, torch.bfloat16)])
 def test_combine_splits_both_kernels(B, S, H, sink, splits, part_dtype):
     """The split-KV combine against a torch merge of the same partials, on both of its
     kernels (one head a program with few queries, 8 heads a program with B*S_q*H >= 16 x

@@ -151,6 +151,9 @@ VARIANTS = [
     # ACC_SCALE: 13-14% fewer loop instructions, measured no faster; recorded at b7e6296 as
     # the default, against this entry as mma2_scaled_w_t1)
     ("mma2_acc_scale_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, ACC_SCALE=True))),
+    # Session 11: the T = 1 entry launched without PDL (x's copy, which zeroes the counters,
+    # then the decode as a plain launch): what the programmatic dependent launch is worth
+    ("mma2_nopdl_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, PDL=False))),
     ("mma2_fastdec_t64", dict(PLAIN, MMA2=dict(_MMA2_T64, CVT8=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
@@ -162,7 +165,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
                 "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
                 "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
-                "mma2_acc_scale_t1": (1,),
+                "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
