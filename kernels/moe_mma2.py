@@ -434,6 +434,142 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
     return acc0, acc1
 
 
+# REGS's decode (sm_89 and newer): CVT8_ASM on one 32-bit word of packed bytes ($8) with its
+# fp16 multiplier ($9), the eight nibbles' fp16 values as separate 16-bit outputs: the low
+# nibbles of bytes 0..3 ($0..$3), then the high ones ($4..$7). The words come straight from
+# a loop-carried int32 register ring (:func:`_k_loop_regs`); byte tensors carried by the loop
+# would sit a byte a register and cost a PRMT each to repack.
+CVT8_WORD_ASM = "\n{\n.reg .b32 m2;\nmov.b32 m2, {$9, $9};" + _CVT8_PLACE.replace("$4", "$8") + """\
+cvt.rn.f16x2.e5m2x2 u, l0;
+mul.rn.f16x2 u, u, m2;
+mov.b32 {$0, $1}, u;
+cvt.rn.f16x2.e5m2x2 u, l1;
+mul.rn.f16x2 u, u, m2;
+mov.b32 {$2, $3}, u;
+cvt.rn.f16x2.e5m2x2 u, h0;
+mul.rn.f16x2 u, u, m2;
+mov.b32 {$4, $5}, u;
+cvt.rn.f16x2.e5m2x2 u, h1;
+mul.rn.f16x2 u, u, m2;
+mov.b32 {$6, $7}, u;
+}
+"""
+_CVT8_WORD = gl.constexpr(CVT8_WORD_ASM)     # (a jit function reads globals as constexprs)
+
+
+@triton.constexpr_function
+def _word_copy_layout(BN, W):
+    """:func:`_copy_layout` in 32-bit words: [BN, 16], lane t's 4 consecutive words of a row's
+    64-byte K-step (one 16-byte load), the same bytes a lane decodes."""
+    reg = [[0, 1], [0, 2], [8, 0]]
+    r = 16 * W
+    while r < BN:
+        reg.append([r, 0])
+        r *= 2
+    lanes = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    warps = [[16 << i, 0] for i in range(W.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=warps,
+                                      block_bases=[], shape=[BN, 16])
+
+
+@gluon.jit
+def _decode_words(wd, mult, BN: gl.constexpr, NS: gl.constexpr, GS: gl.constexpr):
+    """REGS: packed words [BN, 4, NS, GS / 4] and their fp16 multipliers (same shape) ->
+    (low, high) nibbles as fp16 [BN, 4, NS, GS], byte order as :func:`_decode`'s."""
+    o = gl.inline_asm_elementwise(_CVT8_WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [wd, mult],
+                                  dtype=(gl.float16,) * 8, is_pure=True, pack=1)
+    lo = gl.permute(gl.join(gl.join(o[0], o[1]), gl.join(o[2], o[3])), [0, 1, 2, 3, 5, 4])
+    hi = gl.permute(gl.join(gl.join(o[4], o[5]), gl.join(o[6], o[7])), [0, 1, 2, 3, 5, 4])
+    return gl.reshape(lo, [BN, 4, NS, GS]), gl.reshape(hi, [BN, 4, NS, GS])
+
+
+@gluon.jit
+def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexpr):
+    """REGS: K-step k's weight words [BN, 16] (lane t's 16 bytes of a row, one 16-byte load)
+    and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers. Unmasked:
+    the fused launch's row tiles divide the matrix, and k is clamped by the caller."""
+    p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=".cg")
+    sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
+                 cache_modifier=".cg")
+    return p, sb
+
+
+@gluon.jit
+def _regs_step(acc, p, sb, smax, xr, xm, k, nseg, cx, IS_NV: gl.constexpr, BN: gl.constexpr,
+               WW: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+    """REGS: acc plus K-step k of the words ``p`` and scale bytes ``sb``; a step past the
+    slice (k >= nseg, the unrolled loop's tail) multiplies zeros of x and adds nothing."""
+    NS: gl.constexpr = sb.type.shape[2]
+    GS: gl.constexpr = 16 // NS
+    live = xm & (k < nseg)
+    xe = _to_b_operand(gl.load(xr[:, None] + (k * 128 + cx)[None, :], mask=live, other=0.0), B_OP)
+    xo = _to_b_operand(gl.load(xr[:, None] + (k * 128 + 64 + cx)[None, :], mask=live, other=0.0),
+                       B_OP)
+    wd = gl.convert_layout(gl.reshape(p, [BN, 4, NS, GS // 4]), WW, assert_trivial=True)
+    mult, wd = gl.broadcast(gl.expand_dims(_mult(sb, smax[:, None, None], IS_NV), 3), wd)
+    lo, hi = _decode_words(wd, mult, BN, NS, GS)
+    acc = mma_v2(_to_a_operand(lo, BN, A_OP), xe, acc)
+    return mma_v2(_to_a_operand(hi, BN, A_OP), xo, acc)
+
+
+@gluon.jit
+def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.constexpr,
+                 RING: gl.constexpr, num_warps: gl.constexpr):
+    """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
+    decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
+    into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
+    global memory (the L1) at the step. The loop is unrolled RING times so that each step's
+    registers are refilled with the step RING further on as soon as they are multiplied
+    (no moves). No cp.async and no shared-memory ring, so no barrier between the warps: each
+    warp runs its own chain, and the programs an SM holds are bounded by registers, not
+    shared memory. Gate and up run as one matrix of 2 BN1 rows (see :func:`_decode_kernel`);
+    every row is valid (the fused launch's row tiles divide the matrix)."""
+    W: gl.constexpr = num_warps
+    GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
+    NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
+    NS: gl.constexpr = 16 // GS                        # scales a lane a K-step
+    MMA: gl.constexpr = _mma_layout(W)
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    CPW: gl.constexpr = _word_copy_layout(BN, W)
+    CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
+    WW: gl.constexpr = _weight_layout(BN, W, NS, GS // 4)     # the same words, [BN, 4, NS, GS/4]
+    SL: gl.constexpr = gl.SliceLayout(3, WW)
+    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, SL))
+    w_rows = gl.convert_layout(w, gl.SliceLayout(1, CPW)).to(gl.pointer_type(gl.int32))
+    s_rows = gl.convert_layout(s, RL)
+    smax = gl.convert_layout(smax, RL)
+    cw = gl.arange(0, SEG_BYTES // 4, layout=gl.SliceLayout(0, CPW))
+    t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+    si = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+    xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
+    xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))[:, None]
+    cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
+    last = nseg - 1
+    acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS)
+    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS)
+    if RING == 2:
+        for k in range(0, nseg, 2):
+            acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS)
+            acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS)
+    else:
+        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS)
+        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS)
+        for k in range(0, nseg, 4):
+            acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS)
+            acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS)
+            acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
+            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS)
+            acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
+            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS)
+    return acc
+
+
 @gluon.jit
 def _seg_order(n):
     """Column n of an activation row -> its place in sigma's order (per 128-element segment,
@@ -645,7 +781,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
-                   PDL: gl.constexpr = False):
+                   PDL: gl.constexpr = False, REGS: gl.constexpr = 0):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -666,10 +802,14 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
     ASM = CVT8_RAW_ASM): row n of x's buffers holds the token's elements of scale block n.
     ``PDL``: launched as a programmatic dependent launch of the kernel that copies x and zeroes
-    the counters; every program waits for that kernel before its ticket."""
+    the counters; every program waits for that kernel before its ticket.
+    ``REGS`` (2 or 4; 0: the shared-memory ring): the K loops read their bytes into registers,
+    REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
+    BN1 up rows as one matrix of 2 BN1 rows."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)     # scale bytes a row a K-step
     n_tiles1 = I // BN1
     n_tiles2 = H // BN2
     n_gu = P * n_tiles1 * SPLIT1
@@ -697,23 +837,44 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         col = m == t
         offs_n = pn * BN1 + gl.arange(0, BN1, layout=ROWS)
         if e >= 0:
-            _, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, sp, I, nseg1,
-                                                    stride_w13e, stride_w13n, stride_s13e,
-                                                    stride_s13n, IS_NV, BN1, num_warps, ACC_SCALE)
-            _, _, wu, su, smax_u = _weight_rows(w13_ptr + I * stride_w13n, s13_ptr + I * stride_s13n,
-                                                e, pn, sp, I, nseg1, stride_w13e, stride_w13n,
-                                                stride_s13e, stride_s13n, IS_NV, BN1, num_warps,
-                                                ACC_SCALE)
             x_rows = xp_ptr + t.to(gl.int64) * stride_xt + sp * nseg1 * 128 + m * 0
             xmask = col
-            if ACC_SCALE:                       # the token's row in every column, by block
-                xmask = m >= 0
-            _stamp(stamps_ptr, tile, 2, num_warps)
-            acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, xmask,
-                                   nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps, ACC_SCALE)
-            _stamp(stamps_ptr, tile, 3, num_warps)
-            gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV, ACC_SCALE)
-            up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV, ACC_SCALE)
+            if REGS:    # gate rows, then the matching up rows, as one matrix
+                r = gl.arange(0, 2 * BN1, layout=ROWS)
+                own = pn * BN1 + r % BN1
+                nmask = own < I
+                row = (own + (r // BN1) * I).to(gl.int64)
+                w = w13_ptr + e.to(gl.int64) * stride_w13e + row * stride_w13n + sp * nseg1 * SEG_BYTES
+                sc = s13_ptr + e.to(gl.int64) * stride_s13e + row * stride_s13n + sp * nseg1 * NSC
+                if IS_NV:
+                    smax = gl.zeros([2 * BN1], gl.int32, layout=ROWS)
+                else:
+                    smax = gl.convert_layout(_row_smax(sc, nmask, nseg1 * NSC, 2 * BN1, num_warps), ROWS)
+                _stamp(stamps_ptr, tile, 2, num_warps)
+                acc = _k_loop_regs(w, sc, smax, x_rows, xmask, nseg1, IS_NV, 2 * BN1, REGS,
+                                   num_warps)
+                _stamp(stamps_ptr, tile, 3, num_warps)
+                acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
+                # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
+                gate, up = gl.split(gl.permute(gl.reshape(acc, [2, BN1, BM]), [1, 2, 0]))
+                gate = gl.convert_layout(gate, MMA, assert_trivial=True)
+                up = gl.convert_layout(up, MMA, assert_trivial=True)
+            else:
+                _, nmask, wg, sg, smax_g = _weight_rows(w13_ptr, s13_ptr, e, pn, sp, I, nseg1,
+                                                        stride_w13e, stride_w13n, stride_s13e,
+                                                        stride_s13n, IS_NV, BN1, num_warps, ACC_SCALE)
+                _, _, wu, su, smax_u = _weight_rows(w13_ptr + I * stride_w13n,
+                                                    s13_ptr + I * stride_s13n, e, pn, sp, I, nseg1,
+                                                    stride_w13e, stride_w13n, stride_s13e,
+                                                    stride_s13n, IS_NV, BN1, num_warps, ACC_SCALE)
+                if ACC_SCALE:                       # the token's row in every column, by block
+                    xmask = m >= 0
+                _stamp(stamps_ptr, tile, 2, num_warps)
+                acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, xmask,
+                                       nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps, ACC_SCALE)
+                _stamp(stamps_ptr, tile, 3, num_warps)
+                gate = _undo_scales(acc_g, smax_g, g13_ptr, e, IS_NV, ACC_SCALE)
+                up = _undo_scales(acc_u, smax_u, g13_ptr, e, IS_NV, ACC_SCALE)
             if SPLIT1 > 1:
                 part = _pair_tile(part_ptr, sp * P + p, stride_part, offs_n, m)
                 gl.store(part, gate, mask=col[None, :])
@@ -757,8 +918,11 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             amask = col
             if ACC_SCALE:
                 amask = m >= 0
-            acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
-                                  IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
+            if REGS:
+                acc = _k_loop_regs(w, s, smax, a_rows, amask, nseg2, IS_NV, BN2, REGS, num_warps)
+            else:
+                acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
+                                      IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
             _stamp(stamps_ptr, tile, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
@@ -779,7 +943,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -801,7 +965,7 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -813,6 +977,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``PDL`` (the fused launch only): x's copy also zeroes the launch's counters, and the launch
     is its programmatic dependent launch, so its programs are scheduled while the copy runs
     (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
+    ``REGS`` (0, 2 or 4; the fused launch only; sm_89+, the CVT8 decode, not with ACC_SCALE):
+    the K loops without shared memory, REGS K-steps in flight (see :func:`_k_loop_regs`;
+    STAGES and NSPS unused); 0: the shared-memory ring.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -820,6 +987,11 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
+    if REGS not in (0, 2, 4):
+        raise ValueError(f"moe_mma2: REGS must be 0, 2 or 4 (K-steps in flight), got {REGS!r}")
+    if REGS and ACC_SCALE:
+        raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
+                         "per scale block; REGS reads x as the token's row)")
     why = supported(x, H, I, (w13, w13_scale, w2, w2_scale))
     if why is not None:
         raise ValueError(f"moe_mma2: {why}")
@@ -833,6 +1005,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if ACC_SCALE and not acc_ok:
         raise ValueError("moe_mma2: ACC_SCALE decodes with CVT8_RAW_ASM, which needs sm_89 or "
                          "newer (cvt.f16x2.e5m2x2) and CVT8 not False")
+    if REGS and (CVT8 is False or torch.cuda.get_device_capability(x.device) < (8, 9)):
+        raise ValueError("moe_mma2: REGS decodes with CVT8_WORD_ASM, which needs sm_89 or newer "
+                         "(cvt.f16x2.e5m2x2) and CVT8 not False")
     if P == 0:
         return torch.zeros(T, H, dtype=x.dtype, device=x.device)
     is_nv = fmt == "nvfp4"
@@ -867,7 +1042,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             num_warps=4)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
-                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl)
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
+                             int(REGS))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -906,7 +1082,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl):
+                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -934,7 +1110,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, launch_pdl=pdl)
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, launch_pdl=pdl)
     return out
 
 

@@ -969,6 +969,11 @@ def test_mma2_selection_and_fallback():
             kmoe.fused_moe(*args, fmt="mxfp4", config=dict(MMA2=dict(BLOCK=3)))
         with pytest.raises(ValueError, match="moe_mma2: .*interpreter|moe_mma2: needs"):
             moe_mma2.fused_moe(*args, fmt="mxfp4")
+        # the register ring's depth and its one refused combination, named before any launch
+        with pytest.raises(ValueError, match="REGS must be 0, 2 or 4"):
+            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=3)
+        with pytest.raises(ValueError, match="REGS and ACC_SCALE"):
+            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -1049,12 +1054,17 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                dict(SPLIT1=2, SPLIT2=2, BN1=64, BN2=64, STAGES=2, NSPS=2),
                                dict(SPLIT1=4, SPLIT2=4, BN1=64, BN2=64, STAGES=3, NSPS=1),
                                dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
-                                    num_warps=2, PDL=False)]),
+                                    num_warps=2, PDL=False),
+                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2),
+                               dict(BN1=64, BN2=64, SPLIT1=2, num_warps=4, REGS=4),
+                               dict(BN1=32, BN2=32, SPLIT2=2, num_warps=2, REGS=4)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
     # slices summed by the last one, the last down tile of a row range summing the pairs; on
-    # sm_90+ a programmatic dependent launch of x's copy, or not: PDL=False)
+    # sm_90+ a programmatic dependent launch of x's copy, or not: PDL=False; the K loops from
+    # a register ring 2 or 4 steps deep, REGS, whose unrolled tail is exercised by slices of
+    # 1, 2, 3 and 6 steps)
     # against the fp32 reference: one token to 8 (and 9-11, which take the grouped path),
     # every token on one expert, -1 slots, both formats, with and without the clamp; two calls
     # give the same bits (fixed sum order)
@@ -1064,6 +1074,10 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     def run():
         return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                                   fmt=fmt, swiglu_limit=limit, FUSED=True, **kw, **launch)
+    if launch.get("REGS") and torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
+            run()
+        return
     out = run()
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert_close(out, ref, torch.bfloat16)
@@ -1127,7 +1141,8 @@ def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("split", [dict(), dict(SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
                                    dict(SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, BN1=32, BN2=32,
-                                        num_warps=2, ACC_SCALE=True)])
+                                        num_warps=2, ACC_SCALE=True),
+                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4)])
 def test_gpu_mma2_fused_decode_in_graph(fmt, split):
     # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
     # graph and replayed on new routing: the counters start from zero on every replay

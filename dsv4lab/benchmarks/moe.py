@@ -154,6 +154,14 @@ VARIANTS = [
     # Session 11: the T = 1 entry launched without PDL (x's copy, which zeroes the counters,
     # then the decode as a plain launch): what the programmatic dependent launch is worth
     ("mma2_nopdl_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, PDL=False))),
+    # Session 11: the K loops without shared memory (moe_mma2 REGS: the weight words loaded
+    # into registers 2 or 4 K-steps ahead, no cp.async ring, no barrier), at the entry's split
+    # and with the gate/up K unsplit between two slices (SPLIT1 2, SPLIT2 1: longer loops,
+    # half the tiles)
+    ("mma2_regs2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=2))),
+    ("mma2_regs4_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=4))),
+    ("mma2_regs2_s2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=2, SPLIT1=2, SPLIT2=1))),
+    ("mma2_regs4_s2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=4, SPLIT1=2, SPLIT2=1))),
     ("mma2_fastdec_t64", dict(PLAIN, MMA2=dict(_MMA2_T64, CVT8=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
@@ -165,7 +173,8 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "triton_fd_xpre_rm_w16_bk128_bn2_128_bk2_256": (64,),
                 "triton_fd_xpre_rm_bk128_bn2_128_bk2_256": (64,), "triton_fd_xpre": (64,),
                 "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
-                "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,),
+                "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
+                "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
