@@ -216,6 +216,22 @@ CANDIDATES = [
     _fused(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
     _fused(BN1=64, BN2=64, SPLIT1=8, SPLIT2=4, STAGES=2, NSPS=2),
     _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=1, num_warps=2),
+    # round 12 (session 11), T = 1: the fused decode's K loops from a register ring (REGS 2 or
+    # 4 K-steps deep, no shared memory: programs an SM bounded by registers), over splits,
+    # tile heights and warps a program (bench rows at 66860bc: REGS 4 at split 2 / 1, 47.8 us
+    # MXFP4, against 54.7 for the shared-memory ring)
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4),
+    _fused(BN1=32, BN2=32, SPLIT1=1, SPLIT2=1, num_warps=2, REGS=4),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4),
+    _fused(BN1=32, BN2=32, SPLIT1=1, SPLIT2=1, num_warps=2, REGS=2),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2),
+    _fused(BN1=16, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=16, BN2=16, SPLIT1=1, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=16, BN2=16, SPLIT1=4, SPLIT2=2, num_warps=1, REGS=4),
+    _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4),
+    _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4, REGS=4),
 ]
 
 
