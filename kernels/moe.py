@@ -1057,8 +1057,17 @@ _MMA2_T64 = dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2)
 # instructions, down 416 -> 357) and removed the row-maximum prologue, yet measured no faster
 # (rows at b7e6296, where it was this entry's default: MXFP4 57.4 us against 57.0 with the
 # scales on the weights, NVFP4 60.5 against 58.3): T = 1 is not bound by the loop's issue rate.
-_MMA2_T1 = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
-                num_warps=2)
+_MMA2_T1_SMEM = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
+                     num_warps=2)
+# Session 11: the T = 1 entry's K loops from a register ring 4 K-steps deep (moe_mma2 REGS: no
+# shared memory, no cp.async ring and no barrier, so an SM holds 7 programs, bounded by their
+# 142 registers, instead of 5), with the gate/up K split in two and the down K unsplit.
+# scripts/tune_moe.py round 12 (H200, printout at 66860bc + 1; the recorded evidence is
+# `dsv4lab bench moe`): MXFP4 47.4 us, NVFP4 52.2, against 54.4 / 55.5 for _MMA2_T1_SMEM (the
+# entry before, kept as the base of the T = 1 bench variants). REGS=None: 4 where the GPU
+# converts fp8 (sm_89+, the word decode), else the shared-memory ring (0) at the same splits.
+_MMA2_T1 = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, STAGES=3, NSPS=2,
+                num_warps=2, REGS=None)
 CONFIGS = [
     (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8
     (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64

@@ -903,7 +903,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         p = d // SPLIT2 // n_tiles2
         pn = d // SPLIT2 % n_tiles2
         e = gl.load(ids_ptr + p)
-        offs_n = pn * BN2 + gl.arange(0, BN2, layout=ROWS)
+        offs_h = pn * BN2 + gl.arange(0, BN2, layout=ROWS)
         if e >= 0:
             t = p // TOPK
             col = m == t
@@ -926,7 +926,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             _stamp(stamps_ptr, tile, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
-            gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_n, m), y, mask=col[None, :])
+            gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_h, m), y, mask=col[None, :])
         gl.thread_barrier()
         done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
         if done == P * SPLIT2 - 1:                # the last of this row tile's down tiles
@@ -935,15 +935,15 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 tq = q // TOPK
                 live = (m == tq)[None, :] & (gl.load(ids_ptr + q) >= 0)
                 for q2 in range(SPLIT2):
-                    total += gl.load(ypair_ptr + (q2 * P + q) * stride_y + offs_n[:, None] + m[None, :] * 0,
+                    total += gl.load(ypair_ptr + (q2 * P + q) * stride_y + offs_h[:, None] + m[None, :] * 0,
                                      mask=live, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_n[:, None],
+            gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
                      total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
         _stamp(stamps_ptr, tile, 4, num_warps)
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -965,7 +965,7 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -979,7 +979,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
     ``REGS`` (0, 2 or 4; the fused launch only; sm_89+, the CVT8 decode, not with ACC_SCALE):
     the K loops without shared memory, REGS K-steps in flight (see :func:`_k_loop_regs`;
-    STAGES and NSPS unused); 0: the shared-memory ring.
+    STAGES and NSPS unused); 0: the shared-memory ring; None: 4 where it can run, else 0.
+    ``MAXNREG`` (the fused launch only): a register cap for its programs (Triton's ``maxnreg``):
+    with REGS, programs an SM are bounded by registers.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -987,6 +989,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
+    if REGS is None:      # the register ring where the word decode runs, else shared memory
+        REGS = 4 if (CVT8 is not False and not ACC_SCALE and x.device.type == "cuda"
+                     and torch.cuda.get_device_capability(x.device) >= (8, 9)) else 0
     if REGS not in (0, 2, 4):
         raise ValueError(f"moe_mma2: REGS must be 0, 2 or 4 (K-steps in flight), got {REGS!r}")
     if REGS and ACC_SCALE:
@@ -1043,7 +1048,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS))
+                             int(REGS), MAXNREG)
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1082,7 +1087,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0):
+                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1110,7 +1115,8 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, launch_pdl=pdl)
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, launch_pdl=pdl,
+        **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 
 

@@ -232,6 +232,14 @@ CANDIDATES = [
     _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4),
     _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4),
     _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4, REGS=4),
+    # round 12b: around #123 (47.4 / 52.2 us): a register cap (8 programs an SM at 128, where
+    # #123's 142 registers allow 7), taller down tiles, no L2 prefetch for the waiting down tiles
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, MAXNREG=128),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4),
+    _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, PREFETCH=False),
+    _fused(BN1=16, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, MAXNREG=128),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, MAXNREG=96),
 ]
 
 

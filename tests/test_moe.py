@@ -1057,14 +1057,16 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                     num_warps=2, PDL=False),
                                dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2),
                                dict(BN1=64, BN2=64, SPLIT1=2, num_warps=4, REGS=4),
-                               dict(BN1=32, BN2=32, SPLIT2=2, num_warps=2, REGS=4)]),
+                               dict(BN1=32, BN2=32, SPLIT2=2, num_warps=2, REGS=4),
+                               dict(BN1=32, BN2=64, SPLIT1=2, num_warps=2, REGS=None),
+                               dict(BN1=64, BN2=32, num_warps=2, STAGES=2, NSPS=2)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
     # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
     # slices summed by the last one, the last down tile of a row range summing the pairs; on
     # sm_90+ a programmatic dependent launch of x's copy, or not: PDL=False; the K loops from
     # a register ring 2 or 4 steps deep, REGS, whose unrolled tail is exercised by slices of
-    # 1, 2, 3 and 6 steps)
+    # 1, 2, 3 and 6 steps; gate/up and down tiles of different heights)
     # against the fp32 reference: one token to 8 (and 9-11, which take the grouped path),
     # every token on one expert, -1 slots, both formats, with and without the clamp; two calls
     # give the same bits (fixed sum order)

@@ -24,7 +24,7 @@ import torch
 from dsv4lab import bench, runtime
 from dsv4lab.ops import fused_moe, route
 from dsv4lab.ops.moe import moe_dense
-from dsv4lab.kernels.moe import _MMA2_T1, _MMA2_T64, PLAIN, config_for
+from dsv4lab.kernels.moe import _MMA2_T1_SMEM, _MMA2_T64, PLAIN, config_for
 from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_quantize
 
 FLASH = dict(E=256, H=4096, I=2048, topk=6)
@@ -146,22 +146,24 @@ VARIANTS = [
     ("mma2_fused_t1", dict(PLAIN, MMA2=dict(FUSED=True, BN1=64, BN2=64, STAGES=2, NSPS=4))),
     # the table's MMA2 entries with FASTDEC's decode instead of the e5m2 conversion (CVT8,
     # the default on sm_89+): what the cheaper decode is worth
-    ("mma2_fastdec_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, CVT8=False))),
+    ("mma2_fastdec_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, CVT8=False))),
     # Session 10: the T = 1 entry with the block scales on the accumulator (moe_mma2
     # ACC_SCALE: 13-14% fewer loop instructions, measured no faster; recorded at b7e6296 as
     # the default, against this entry as mma2_scaled_w_t1)
-    ("mma2_acc_scale_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, ACC_SCALE=True))),
+    ("mma2_acc_scale_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, ACC_SCALE=True))),
     # Session 11: the T = 1 entry launched without PDL (x's copy, which zeroes the counters,
     # then the decode as a plain launch): what the programmatic dependent launch is worth
-    ("mma2_nopdl_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, PDL=False))),
+    ("mma2_nopdl_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, PDL=False))),
     # Session 11: the K loops without shared memory (moe_mma2 REGS: the weight words loaded
     # into registers 2 or 4 K-steps ahead, no cp.async ring, no barrier), at the entry's split
     # and with the gate/up K unsplit between two slices (SPLIT1 2, SPLIT2 1: longer loops,
     # half the tiles)
-    ("mma2_regs2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=2))),
-    ("mma2_regs4_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=4))),
-    ("mma2_regs2_s2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=2, SPLIT1=2, SPLIT2=1))),
-    ("mma2_regs4_s2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, REGS=4, SPLIT1=2, SPLIT2=1))),
+    ("mma2_regs2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, REGS=2))),
+    ("mma2_regs4_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, REGS=4))),
+    ("mma2_regs2_s2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, REGS=2, SPLIT1=2, SPLIT2=1))),
+    ("mma2_regs4_s2_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, REGS=4, SPLIT1=2, SPLIT2=1))),
+    # the T = 1 entry before session 11's REGS default (the shared-memory ring), for the A/B
+    ("mma2_smem_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_SMEM, REGS=0))),
     ("mma2_fastdec_t64", dict(PLAIN, MMA2=dict(_MMA2_T64, CVT8=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
@@ -175,6 +177,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
                 "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
                 "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
+                "mma2_smem_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
