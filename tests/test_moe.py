@@ -949,7 +949,8 @@ def test_mma2_selection_and_fallback():
     from dsv4lab.kernels import moe as kmoe, moe_mma2
     for fmt in ("mxfp4", "nvfp4"):
         assert kmoe.config_for(64, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T64
-        assert kmoe.config_for(1, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T1      # one token only:
+        t1 = kmoe._MMA2_T1_NV if fmt == "nvfp4" else kmoe._MMA2_T1
+        assert kmoe.config_for(1, 6, 256, fmt)["MMA2"] == t1                 # one token only:
         assert kmoe.config_for(8, 6, 256, fmt)["MMA2"]["MAX_T"] == 1         # T = 8 runs Triton
         assert kmoe.config_for(256, 6, 256, fmt).get("MMA2") is None
     x = torch.randn(3, 128)
