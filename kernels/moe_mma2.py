@@ -520,8 +520,7 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
     global memory (the L1) at the step. The loop is unrolled RING times so that each step's
     registers are refilled with the step RING further on as soon as they are multiplied
-    (no moves). RING 5: four steps deep, refilled two at a time, so that each row's 128
-    bytes of two steps reach the memory system together. No cp.async and no shared-memory ring, so no barrier between the warps: each
+    (no moves). No cp.async and no shared-memory ring, so no barrier between the warps: each
     warp runs its own chain, and the programs an SM holds are bounded by registers, not
     shared memory. Gate and up run as one matrix of 2 BN1 rows (see :func:`_decode_kernel`);
     every row is valid (the fused launch's row tiles divide the matrix)."""
@@ -556,18 +555,6 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
             pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS)
-    elif RING == 5:     # 4 deep, refilled two K-steps at a time: a row's 128 bytes at once
-        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS)
-        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS)
-        for k in range(0, nseg, 4):
-            acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS)
-            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS)
-            acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS)
-            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS)
     else:
         pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS)
         pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS)
@@ -991,8 +978,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     is its programmatic dependent launch, so its programs are scheduled while the copy runs
     (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
     ``REGS`` (0, 2 or 4; the fused launch only; sm_89+, the CVT8 decode, not with ACC_SCALE):
-    the K loops without shared memory, REGS K-steps in flight (5: 4, refilled two at a time;
-    see :func:`_k_loop_regs`;
+    the K loops without shared memory, REGS K-steps in flight (see :func:`_k_loop_regs`;
     STAGES and NSPS unused); 0: the shared-memory ring; None: 4 where it can run, else 0.
     ``MAXNREG`` (the fused launch only): a register cap for its programs (Triton's ``maxnreg``):
     with REGS, programs an SM are bounded by registers.
@@ -1006,9 +992,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS is None:      # the register ring where the word decode runs, else shared memory
         REGS = 4 if (CVT8 is not False and not ACC_SCALE and x.device.type == "cuda"
                      and torch.cuda.get_device_capability(x.device) >= (8, 9)) else 0
-    if REGS not in (0, 2, 4, 5):
-        raise ValueError(f"moe_mma2: REGS must be 0, 2, 4 or 5 (K-steps in flight; 5: 4, "
-                         f"refilled two at a time), got {REGS!r}")
+    if REGS not in (0, 2, 4):
+        raise ValueError(f"moe_mma2: REGS must be 0, 2 or 4 (K-steps in flight), got {REGS!r}")
     if REGS and ACC_SCALE:
         raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
                          "per scale block; REGS reads x as the token's row)")
