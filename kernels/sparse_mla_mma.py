@@ -476,13 +476,10 @@ def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_spl
 @triton.jit
 def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
                     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
-                    PAIR: tl.constexpr = False):
+                    BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False):
     """:func:`_combine_kernel` for BLOCK_HC heads a program: with many queries one program
     a head means thousands of programs of 4 KB each (4096 at B 64 / S_q 1), paced by how
-    fast the GPU starts programs. ``PAIR`` (exactly two splits): both partials are loaded
-    with the lse, before any arithmetic, so the program waits for one round trip to memory
-    instead of three (the loop's loads wait for the weights)."""
+    fast the GPU starts programs."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -495,12 +492,6 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
     lrow = (bs * num_splits + offs_s[:, None]) * H + h[None, :]
     l = tl.load(lpart_ptr + lrow, mask=(offs_s[:, None] < num_splits) & h_mask[None, :],
                 other=float("-inf"))                                    # [BLOCK_S, BLOCK_HC]
-    o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
-    if PAIR:
-        prow = bs * 2 * H + h
-        o0 = tl.load(opart_ptr + prow[:, None] * DV + offs_v[None, :], mask=o_mask, other=0.0)
-        o1 = tl.load(opart_ptr + (prow + H)[:, None] * DV + offs_v[None, :], mask=o_mask,
-                     other=0.0)
     m = tl.max(l, axis=0)
     if HAS_SINK:
         sk = tl.load(sink_ptr + h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -510,18 +501,13 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
     denom = tl.sum(w, axis=0)
     if HAS_SINK:
         denom += tl.exp2(sk - m_safe)
-    if PAIR:      # the loop's sum, in its order
-        w0 = tl.sum(tl.where(offs_s[:, None] == 0, w, 0.0), axis=0)
-        w1 = tl.sum(tl.where(offs_s[:, None] == 1, w, 0.0), axis=0)
-        acc = w0[:, None] * o0.to(tl.float32)
-        acc += w1[:, None] * o1.to(tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
-        for i in range(0, num_splits):
-            wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
-            o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
-                        mask=o_mask, other=0.0)
-            acc += wi[:, None] * o
+    acc = tl.zeros([BLOCK_HC, BLOCK_DV], tl.float32)
+    o_mask = h_mask[:, None] & (offs_v < DV)[None, :]
+    for i in range(0, num_splits):
+        wi = tl.sum(tl.where(offs_s[:, None] == i, w, 0.0), axis=0)
+        o = tl.load(opart_ptr + ((bs * num_splits + i) * H + h[:, None]) * DV + offs_v[None, :],
+                    mask=o_mask, other=0.0)
+        acc += wi[:, None] * o
     has = denom > 0
     o = acc / tl.where(has, denom, 1.0)[:, None]
     lse = tl.where(has, (m_safe + tl.log2(tl.where(has, denom, 1.0))) * 0.6931471805599453,
@@ -549,11 +535,13 @@ def combine_splits(opart, lpart, sink, out, lse, splits, pdl=False):
     # / S_q 1 / topk 2048: 62.9 us a call at b4e4c83 -> 61.7 at e5f938d);
     # with few queries one a head, whose loop carries no reduction (8 heads a program cost
     # B 1 / topk 640 14.2 us at 3703e09, and even one a head through the 8-head kernel 11.6
-    # at e5f938d, against 10.8 with this kernel)
+    # at e5f938d, against 10.8 with this kernel). Loading a two-split pair's partials with the
+    # lse, before any arithmetic (one round trip instead of three; rows at a793cc5: B 64 / S_q 1
+    # 59.5 us, against 58.5 at 19bca93 in a run ~2% slower throughout) was no faster: reverted.
     if B * S_q * H >= 16 * sm_count(out.device, cpu=8):
         block_hc = min(8, triton.next_power_of_2(H))
         _combine_heads_kernel[(B * S_q * triton.cdiv(H, block_hc),)](
-            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, PAIR=splits == 2, **common)
+            opart, lpart, sink, out, lse, H, splits, BLOCK_HC=block_hc, **common)
     else:
         _combine_kernel[(B * S_q * H,)](opart, lpart, sink, out, lse, H, splits, **common)
 
