@@ -91,6 +91,30 @@ NVFP4 61.4 / 57.9; bench variant mma2_persist_t1, rows at 60b3647; the code is g
 it does not overlap is the next tile's routing loads and first ring stage, which a program
 would have to issue while the current tile's loop runs.
 
+The prelude. x's copy (``moe._moe_xpre_zero_kernel``) also zeroes the launch's counters, and
+on sm_90+ the decode is its programmatic dependent launch (``PDL``: its programs are scheduled
+while the copy runs and wait for it before their ticket): 56.7 -> 54.7 us at T = 1 (55.4 with the
+copy zeroing the counters but no PDL; bench variant mma2_nopdl_t1, rows at a793cc5).
+
+The K loops in registers (``REGS``, :func:`_k_loop_regs`; sm_89+, the T = 1 default there).
+Each lane loads the 16 bytes of a row it decodes as four 32-bit words, REGS K-steps ahead, into
+a ring of registers that the unrolled loop refills in place, decodes a word at a time
+(CVT8_WORD_ASM: a loop-carried byte tensor would sit a byte a register and cost a PRMT each)
+and reads its x fragments from the L1. No shared memory, no cp.async ring, no barrier: the
+programs an SM holds are bounded by registers (142 a thread at REGS 4; 8 tiles an SM on the
+timeline, against 5 with the shared-memory ring), and a gate/up tile runs its gate and up rows
+as one matrix of 2 BN1 rows. Offline sm_90 SASS: 0.163 instructions a weight byte against
+0.177, with no LDS and no BAR in the loop. Measured (H200, `dsv4lab bench moe` rows at e934bef;
+scripts/tune_moe.py rounds 12-12d for the layout): T = 1 MXFP4 47.6 us (0.40 of the roofline)
+with the gate/up K split in two and the down K unsplit, against 55.0 for the shared-memory ring
+in the same run (variant mma2_smem_t1); NVFP4 48.7 without the down tiles' L2 prefetch. Its
+timeline: all 768 gate/up tiles run at once and are done by 30.0 us, the last down tile ends at
+44.8 us; a one-off Nsight Compute reading has DRAM at ~2.0 TB/s and loads (long scoreboard) as
+the main stall. Measured no faster (printouts; code removed): the ring refilled two K-steps at a
+time, so that a row's 128 bytes reach the memory system together (48.1 against 47.0 us), x's
+fragments loaded a K-step ahead (47.0-47.3 against 47.1), a register cap of 128 for 8 programs
+an SM instead of 7 (53.2: spills), REGS 2 (54.3).
+
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import os
