@@ -101,9 +101,10 @@ Each lane loads the 16 bytes of a row it decodes as four 32-bit words, REGS K-st
 a ring of registers that the unrolled loop refills in place, decodes a word at a time
 (CVT8_WORD_ASM: a loop-carried byte tensor would sit a byte a register and cost a PRMT each)
 and reads its x fragments from the L1. No shared memory, no cp.async ring, no barrier: the
-programs an SM holds are bounded by registers (142 a thread at REGS 4; 8 tiles an SM on the
-timeline, against 5 with the shared-memory ring), and a gate/up tile runs its gate and up rows
-as one matrix of 2 BN1 rows. Offline sm_90 SASS: 0.163 instructions a weight byte against
+programs an SM holds are bounded by registers (REGS 4: 142 a thread in an offline sm_90 compile;
+8 tiles an SM on the H200's timeline, against 5 with the shared-memory ring), and a gate/up tile
+runs its gate and up rows as one matrix of 2 BN1 rows. Offline sm_90 SASS: 0.163 instructions a
+weight byte against
 0.177, with no LDS and no BAR in the loop. Measured (H200, `dsv4lab bench moe` rows at e934bef;
 scripts/tune_moe.py rounds 12-12d for the layout): T = 1 MXFP4 47.6 us (0.40 of the roofline)
 with the gate/up K split in two and the down K unsplit, against 55.0 for the shared-memory ring
@@ -112,8 +113,8 @@ timeline: all 768 gate/up tiles run at once and are done by 30.0 us, the last do
 44.8 us; a one-off Nsight Compute reading has DRAM at ~2.0 TB/s and loads (long scoreboard) as
 the main stall. Measured no faster (printouts; code removed): the ring refilled two K-steps at a
 time, so that a row's 128 bytes reach the memory system together (48.1 against 47.0 us), x's
-fragments loaded a K-step ahead (47.0-47.3 against 47.1), a register cap of 128 for 8 programs
-an SM instead of 7 (53.2: spills), REGS 2 (54.3).
+fragments loaded a K-step ahead (47.0-47.3 against 47.1); and slower: a register cap of 128
+(MAXNREG, 53.2), REGS 2 at the same splits (54.3).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
