@@ -236,18 +236,20 @@ def _scale_cols(NSC, ACC_SCALE):
 
 
 @triton.constexpr_function
-def _copy_layout(BN, W):
-    """The same bytes as :func:`_weight_layout`, as a [BN, 64] tile: each lane copies
-    (cp.async, 16 bytes) exactly the chunks it later reads."""
-    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
+def _copy_layout(BN, W, WORD=1):
+    """The same bytes as :func:`_weight_layout`, as a [BN, 64 / WORD] tile of WORD-byte
+    elements (1: bytes; 4: 32-bit words, REGS): each lane copies (cp.async or a load, 16 bytes)
+    exactly the chunks it later reads."""
+    per = 16 // WORD                                   # elements in a lane's 16 bytes
+    reg = [[0, 1 << i] for i in range(per.bit_length() - 1)] + [[8, 0]]
     r = 16 * W
     while r < BN:
         reg.append([r, 0])
         r *= 2
-    lanes = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+    lanes = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
     warps = [[16 << i, 0] for i in range(W.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=warps,
-                                      block_bases=[], shape=[BN, 64])
+                                      block_bases=[], shape=[BN, 4 * per])
 
 
 @gluon.jit
@@ -482,21 +484,6 @@ mov.b32 {$6, $7}, u;
 _CVT8_WORD = gl.constexpr(CVT8_WORD_ASM)     # (a jit function reads globals as constexprs)
 
 
-@triton.constexpr_function
-def _word_copy_layout(BN, W):
-    """:func:`_copy_layout` in 32-bit words: [BN, 16], lane t's 4 consecutive words of a row's
-    64-byte K-step (one 16-byte load), the same bytes a lane decodes."""
-    reg = [[0, 1], [0, 2], [8, 0]]
-    r = 16 * W
-    while r < BN:
-        reg.append([r, 0])
-        r *= 2
-    lanes = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
-    warps = [[16 << i, 0] for i in range(W.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lanes, warp_bases=warps,
-                                      block_bases=[], shape=[BN, 16])
-
-
 @gluon.jit
 def _decode_words(wd, mult, BN: gl.constexpr, NS: gl.constexpr, GS: gl.constexpr):
     """REGS: packed words [BN, 4, NS, GS / 4] and their fp16 multipliers (same shape) ->
@@ -556,7 +543,7 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
     MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    CPW: gl.constexpr = _word_copy_layout(BN, W)
+    CPW: gl.constexpr = _copy_layout(BN, W, 4)
     CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
     WW: gl.constexpr = _weight_layout(BN, W, NS, GS // 4)     # the same words, [BN, 4, NS, GS/4]
     SL: gl.constexpr = gl.SliceLayout(3, WW)
