@@ -109,8 +109,8 @@ MMA2 (the T = 1 and T = 64 rows of :data:`CONFIGS`): on a GPU of sm_80 or newer 
 GEMMs run as :mod:`dsv4lab.kernels.moe_mma2`'s Gluon ``mma.sync`` kernels, which load the
 weight bytes straight into the tensor-core A operand (no register moves; ~6 SASS
 instructions a byte); at one token, its one-launch decode (``FUSED``: no grouping, split-K
-and the combine inside the launch). The interpreter and any shape they refuse run the
-Triton kernels below.
+and the combine inside the launch), whose K loops on sm_89+ read the weight bytes straight into
+registers (``REGS``). The interpreter and any shape they refuse run the Triton kernels below.
 
 Everything runs on sm_80, sm_90 and sm_120 alike (plain loads, integer ops, ``tl.dot``
 on fp16) and in Triton's interpreter; under the interpreter the dot operands are upcast
