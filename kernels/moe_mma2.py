@@ -104,8 +104,7 @@ and reads its x fragments from the L1. No shared memory, no cp.async ring, no ba
 programs an SM holds are bounded by registers (REGS 4: 142 a thread in an offline sm_90 compile;
 8 tiles an SM on the H200's timeline, against 5 with the shared-memory ring), and a gate/up tile
 runs its gate and up rows as one matrix of 2 BN1 rows. Offline sm_90 SASS: 0.163 instructions a
-weight byte against
-0.177, with no LDS and no BAR in the loop. Measured (H200, `dsv4lab bench moe` rows at e934bef;
+weight byte against 0.177, with no LDS and no BAR in the loop. Measured (H200, `dsv4lab bench moe` rows at e934bef;
 scripts/tune_moe.py rounds 12-12d for the layout): T = 1 MXFP4 47.6 us (0.40 of the roofline)
 with the gate/up K split in two and the down K unsplit, against 55.0 for the shared-memory ring
 in the same run (variant mma2_smem_t1); NVFP4 48.7 without the down tiles' L2 prefetch. Its
