@@ -1065,7 +1065,8 @@ _MMA2_T1_SMEM = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, ST
 # scripts/tune_moe.py round 12 (H200, printout at 66860bc + 1; the recorded evidence is
 # `dsv4lab bench moe`): MXFP4 47.4 us, NVFP4 52.2, against 54.4 / 55.5 for _MMA2_T1_SMEM (the
 # entry before, kept as the base of the T = 1 bench variants). REGS=None: 4 where the GPU
-# converts fp8 (sm_89+, the word decode), else the shared-memory ring (0) at the same splits.
+# converts fp8 (sm_89+, the word decode), else the shared-memory ring (0) at the same splits
+# (sm_80: not measured; on the H200 that ring was fastest at split 4 / 2, _MMA2_T1_SMEM).
 _MMA2_T1 = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, STAGES=3, NSPS=2,
                 num_warps=2, REGS=None)
 # NVFP4 without the waiting down tiles' L2 prefetch (round 12b/c, same printouts: 48.3-48.4 us
