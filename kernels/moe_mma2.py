@@ -990,7 +990,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
     ``REGS`` (0, 2 or 4; the fused launch only; sm_89+, the CVT8 decode, not with ACC_SCALE):
     the K loops without shared memory, REGS K-steps in flight (see :func:`_k_loop_regs`;
-    STAGES and NSPS unused); 0: the shared-memory ring; None: 4 where it can run, else 0.
+    STAGES and NSPS unused); 0: the shared-memory ring; None: 4 where it can run (sm_89+, the
+    CVT8 decode, ACC_SCALE off once resolved), else 0.
     ``MAXNREG`` (the fused launch only): a register cap for its programs (Triton's ``maxnreg``):
     with REGS, programs an SM are bounded by registers.
     No host synchronisation."""
@@ -1000,10 +1001,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     I = two_i // 2
     topk = topk_ids.shape[1]
     P = T * topk
-    if REGS is None:      # the register ring where the word decode runs, else shared memory
-        REGS = 4 if (CVT8 is not False and not ACC_SCALE and x.device.type == "cuda"
-                     and torch.cuda.get_device_capability(x.device) >= (8, 9)) else 0
-    if REGS not in (0, 2, 4):
+    if REGS not in (None, 0, 2, 4):
         raise ValueError(f"moe_mma2: REGS must be 0, 2 or 4 (K-steps in flight), got {REGS!r}")
     if REGS and ACC_SCALE:
         raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
@@ -1015,13 +1013,16 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         if v < 16 * num_warps or v & (v - 1):
             raise ValueError(f"moe_mma2: {name} must be a power of two >= 16 * num_warps "
                              f"({16 * num_warps}), got {v}")
-    acc_ok = CVT8 is not False and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    # ACC_SCALE's and REGS's decodes convert fp8 (cvt.f16x2.e5m2x2: sm_89+)
+    cvt8_ok = CVT8 is not False and torch.cuda.get_device_capability(x.device) >= (8, 9)
     if ACC_SCALE is None:
-        ACC_SCALE = acc_ok
-    if ACC_SCALE and not acc_ok:
+        ACC_SCALE = cvt8_ok
+    if ACC_SCALE and not cvt8_ok:
         raise ValueError("moe_mma2: ACC_SCALE decodes with CVT8_RAW_ASM, which needs sm_89 or "
                          "newer (cvt.f16x2.e5m2x2) and CVT8 not False")
-    if REGS and (CVT8 is False or torch.cuda.get_device_capability(x.device) < (8, 9)):
+    if REGS is None:      # the register ring where its decode runs, else shared memory
+        REGS = 4 if cvt8_ok and not ACC_SCALE else 0
+    if REGS and not cvt8_ok:
         raise ValueError("moe_mma2: REGS decodes with CVT8_WORD_ASM, which needs sm_89 or newer "
                          "(cvt.f16x2.e5m2x2) and CVT8 not False")
     if P == 0:
