@@ -984,7 +984,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``CVT8``: the decode (None: CVT8_ASM on sm_89+, FASTDEC's elsewhere; True / False force).
     ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
     accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
-    it can run (the table's T = 1 entry), else not.
+    it can run, else not.
     ``PDL`` (the fused launch only): x's copy also zeroes the launch's counters, and the launch
     is its programmatic dependent launch, so its programs are scheduled while the copy runs
     (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
