@@ -125,6 +125,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from dsv4lab.kernels.device import pdl_ok
+
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
 # The fused decode's timeline (scripts/profile_moe.py --timeline): with DSV4LAB_MOE_TIMELINE=1
@@ -1047,9 +1049,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     xp = torch.empty(T, H, dtype=torch.float16, device=dev)     # x in sigma's order (P > 0: T > 0)
     BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
     if FUSED and T <= int(BM):
-        from dsv4lab.kernels.device import pdl_ok
-        pdl = pdl_ok(dev) if PDL is None else bool(PDL)
-        if pdl and not pdl_ok(dev):
+        pdl_able = pdl_ok(dev)
+        pdl = pdl_able if PDL is None else bool(PDL)
+        if pdl and not pdl_able:
             raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
         # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
         # _decode_kernel), zeroed by x's copy
