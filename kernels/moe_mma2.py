@@ -615,17 +615,30 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
     MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``, [BN] each, in the accumulator's row
     layout."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
-    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
     nmask = offs_n < n_rows
+    w, s, smax = _rows_at(w_ptr, s_ptr, e, offs_n, nmask, sp, NSEG, stride_we, stride_wn,
+                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE)
+    return offs_n, nmask, w, s, smax
+
+
+@gluon.jit
+def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, stride_se, stride_sn,
+             IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
+             ACC_SCALE: gl.constexpr = False):
+    """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
+    matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
+    bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``."""
+    COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
+    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
-    w = w_ptr + e64 * stride_we + offs_n.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
-    s = s_ptr + e64 * stride_se + offs_n.to(gl.int64) * stride_sn + sp * NSEG * NSC
+    w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
+    s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
     if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
         smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
-    return offs_n, nmask, w, s, smax
+    return w, s, smax
 
 
 @gluon.jit
@@ -822,7 +835,6 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
-    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)     # scale bytes a row a K-step
     n_tiles1 = I // BN1
     n_tiles2 = H // BN2
     n_gu = P * n_tiles1 * SPLIT1
@@ -855,14 +867,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             if REGS:    # gate rows, then the matching up rows, as one matrix
                 r = gl.arange(0, 2 * BN1, layout=ROWS)
                 own = pn * BN1 + r % BN1
-                nmask = own < I
-                row = (own + (r // BN1) * I).to(gl.int64)
-                w = w13_ptr + e.to(gl.int64) * stride_w13e + row * stride_w13n + sp * nseg1 * SEG_BYTES
-                sc = s13_ptr + e.to(gl.int64) * stride_s13e + row * stride_s13n + sp * nseg1 * NSC
-                if IS_NV:
-                    smax = gl.zeros([2 * BN1], gl.int32, layout=ROWS)
-                else:
-                    smax = gl.convert_layout(_row_smax(sc, nmask, nseg1 * NSC, 2 * BN1, num_warps), ROWS)
+                w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
+                                       nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
+                                       IS_NV, 2 * BN1, num_warps)
                 _stamp(stamps_ptr, tile, 2, num_warps)
                 acc = _k_loop_regs(w, sc, smax, x_rows, xmask, nseg1, IS_NV, 2 * BN1, REGS,
                                    num_warps)
