@@ -497,13 +497,20 @@ def _decode_words(wd, mult, BN: gl.constexpr, NS: gl.constexpr, GS: gl.constexpr
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexpr):
+def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexpr,
+               EVICT: gl.constexpr = False):
     """REGS: K-step k's weight words [BN, 16] (lane t's 16 bytes of a row, one 16-byte load)
     and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers. Unmasked:
     the fused launch's row tiles divide the matrix, and k is clamped by the caller."""
-    p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=".cg")
-    sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
-                 cache_modifier=".cg")
+    if EVICT:
+        p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :],
+                    eviction_policy="evict_first")
+        sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
+                     eviction_policy="evict_first")
+    else:
+        p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=".cg")
+        sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
+                     cache_modifier=".cg")
     return p, sb
 
 
@@ -527,7 +534,7 @@ def _regs_step(acc, p, sb, smax, xr, xm, k, nseg, cx, IS_NV: gl.constexpr, BN: g
 
 @gluon.jit
 def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.constexpr,
-                 RING: gl.constexpr, num_warps: gl.constexpr):
+                 RING: gl.constexpr, num_warps: gl.constexpr, EVICT: gl.constexpr = False):
     """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
     decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
@@ -560,26 +567,26 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
     last = nseg - 1
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
-    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS)
-    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS)
+    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT)
+    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT)
     if RING == 2:
         for k in range(0, nseg, 2):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT)
     else:
-        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS)
-        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS)
+        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS, EVICT)
+        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS, EVICT)
         for k in range(0, nseg, 4):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS)
+            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS)
+            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS, EVICT)
     return acc
 
 
@@ -807,7 +814,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
-                   PDL: gl.constexpr = False, REGS: gl.constexpr = 0):
+                   PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -872,7 +879,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                                        IS_NV, 2 * BN1, num_warps)
                 _stamp(stamps_ptr, tile, 2, num_warps)
                 acc = _k_loop_regs(w, sc, smax, x_rows, xmask, nseg1, IS_NV, 2 * BN1, REGS,
-                                   num_warps)
+                                   num_warps, EVICT)
                 _stamp(stamps_ptr, tile, 3, num_warps)
                 acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
                 # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
@@ -939,7 +946,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             if ACC_SCALE:
                 amask = m >= 0
             if REGS:
-                acc = _k_loop_regs(w, s, smax, a_rows, amask, nseg2, IS_NV, BN2, REGS, num_warps)
+                acc = _k_loop_regs(w, s, smax, a_rows, amask, nseg2, IS_NV, BN2, REGS, num_warps,
+                                   EVICT)
             else:
                 acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                       IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
@@ -963,7 +971,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG", "EVICT")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -985,7 +993,8 @@ def supported(x, H: int, I: int, tensors=()) -> str | None:
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
-              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None):
+              PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
+              EVICT=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1003,6 +1012,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     CVT8 decode, ACC_SCALE off once resolved), else 0.
     ``MAXNREG`` (the fused launch only): a register cap for its programs (Triton's ``maxnreg``):
     with REGS, programs an SM are bounded by registers.
+    ``EVICT`` (REGS only): the register ring loads the weights and scales with an L2
+    evict-first policy instead of ``.cg``, so that bytes read once do not push the L2's other
+    lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1015,13 +1027,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS and ACC_SCALE:
         raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
                          "per scale block; REGS reads x as the token's row)")
+    if EVICT and REGS == 0:
+        raise ValueError("moe_mma2: EVICT applies to REGS's loads (cp.async takes no L2 policy "
+                         "here); give REGS 2 or 4, or None where it resolves to them")
     why = supported(x, H, I, (w13, w13_scale, w2, w2_scale))
     if why is not None:
         raise ValueError(f"moe_mma2: {why}")
-    for name, v in (("BN1", BN1), ("BN2", BN2)):
-        if v < 16 * num_warps or v & (v - 1):
-            raise ValueError(f"moe_mma2: {name} must be a power of two >= 16 * num_warps "
-                             f"({16 * num_warps}), got {v}")
     # ACC_SCALE's and REGS's decodes convert fp8 (cvt.f16x2.e5m2x2: sm_89+)
     cvt8_ok = CVT8 is not False and torch.cuda.get_device_capability(x.device) >= (8, 9)
     if ACC_SCALE is None:
@@ -1034,6 +1045,18 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS and not cvt8_ok:
         raise ValueError("moe_mma2: REGS decodes with CVT8_WORD_ASM, which needs sm_89 or newer "
                          "(cvt.f16x2.e5m2x2) and CVT8 not False")
+    if EVICT is None:     # evict-first where the register ring loads the weights
+        EVICT = bool(REGS)
+    if EVICT and not REGS:
+        raise ValueError("moe_mma2: EVICT applies to REGS's loads, and REGS resolved to 0 here "
+                         "(the GPU does not convert fp8, or ACC_SCALE is on)")
+    # a warp's mma rows: 16. REGS's fused gate/up tile runs its BN1 gate and BN1 up rows as one
+    # matrix of 2 BN1 rows, so BN1 may be half that there
+    low1 = 8 * num_warps if REGS and FUSED and T <= int(BM) else 16 * num_warps
+    for name, v, low in (("BN1", BN1, low1), ("BN2", BN2, 16 * num_warps)):
+        if v < low or v & (v - 1):
+            raise ValueError(f"moe_mma2: {name} must be a power of two >= {low} with num_warps "
+                             f"{num_warps}, got {v}")
     if P == 0:
         return torch.zeros(T, H, dtype=x.dtype, device=x.device)
     is_nv = fmt == "nvfp4"
@@ -1069,7 +1092,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG)
+                             int(REGS), MAXNREG, bool(EVICT))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1108,7 +1131,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
-                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None):
+                  PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
+                  evict=False):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1136,7 +1160,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, launch_pdl=pdl,
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

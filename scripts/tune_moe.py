@@ -244,6 +244,25 @@ CANDIDATES = [
     # 4-deep ring refilled two K-steps at a time (a row's 128 bytes of two steps requested
     # together): MXFP4 48.1-48.2 us against 47.0 for #123 in the same run; x's fragments loaded a
     # K-step ahead (168 registers, 6 programs an SM; capped at 144, 7): 47.0-47.3 against 47.1.
+    # round 13 (session 12), T = 1: every gate/up tile runs at once, so the phase lasts one
+    # warp's chain of instructions; 16 rows a warp (BN1 8 gate + 8 up, one warp) halves it if
+    # twice the warps fit: 83 registers in an offline sm_90 compile (#123: 142), 3072 gate/up
+    # tiles against 132 x 23 slots at 88 (80: 25)
+    _fused(BN1=8, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=8, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, MAXNREG=80),
+    _fused(BN1=8, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=8, BN2=16, SPLIT1=1, SPLIT2=1, num_warps=1, REGS=4),
+    _fused(BN1=8, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=2),
+    _fused(BN1=8, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, PREFETCH=False),
+    _fused(BN1=8, BN2=16, SPLIT1=2, SPLIT2=2, num_warps=1, REGS=4),
+    # round 13b: the weights loaded with an L2 evict-first policy (EVICT), so that streaming
+    # them does not evict the L2's dirty lines (each a write-back to HBM)
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True),
+    _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4, REGS=4, EVICT=True),
 ]
 
 

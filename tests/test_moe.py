@@ -949,8 +949,7 @@ def test_mma2_selection_and_fallback():
     from dsv4lab.kernels import moe as kmoe, moe_mma2
     for fmt in ("mxfp4", "nvfp4"):
         assert kmoe.config_for(64, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T64
-        t1 = kmoe._MMA2_T1_NV if fmt == "nvfp4" else kmoe._MMA2_T1
-        assert kmoe.config_for(1, 6, 256, fmt)["MMA2"] == t1                 # one token only:
+        assert kmoe.config_for(1, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T1      # one token only:
         assert kmoe.config_for(8, 6, 256, fmt)["MMA2"]["MAX_T"] == 1         # T = 8 runs Triton
         assert kmoe.config_for(256, 6, 256, fmt).get("MMA2") is None
     x = torch.randn(3, 128)
@@ -975,6 +974,8 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=3)
         with pytest.raises(ValueError, match="REGS and ACC_SCALE"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
+        with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
+            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -1060,6 +1061,10 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                dict(BN1=64, BN2=64, SPLIT1=2, num_warps=4, REGS=4),
                                dict(BN1=32, BN2=32, SPLIT2=2, num_warps=2, REGS=4),
                                dict(BN1=32, BN2=64, SPLIT1=2, num_warps=2, REGS=None),
+                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2,
+                                    EVICT=True),
+                               dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=None,
+                                    EVICT=None, PREFETCH=False),
                                dict(BN1=64, BN2=32, num_warps=2, STAGES=2, NSPS=2)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
@@ -1085,6 +1090,12 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert_close(out, ref, torch.bfloat16)
     assert torch.equal(run(), out)
+    if "REGS" in launch and T <= 8 and torch.cuda.get_device_capability() >= (8, 9):
+        # an L2 policy changes no bits
+        flip = dict(launch, EVICT=not launch.get("EVICT", False))
+        assert torch.equal(moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+                                              ids, w, fmt=fmt, swiglu_limit=limit, FUSED=True,
+                                              **kw, **flip), out)
 
 
 @gpu
@@ -1145,7 +1156,9 @@ def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing
 @pytest.mark.parametrize("split", [dict(), dict(SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
                                    dict(SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, BN1=32, BN2=32,
                                         num_warps=2, ACC_SCALE=True),
-                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4)])
+                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4),
+                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4,
+                                        EVICT=True, PREFETCH=False)])
 def test_gpu_mma2_fused_decode_in_graph(fmt, split):
     # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
     # graph and replayed on new routing: the counters start from zero on every replay
