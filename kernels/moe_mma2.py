@@ -532,9 +532,50 @@ def _regs_step(acc, p, sb, smax, xr, xm, k, nseg, cx, IS_NV: gl.constexpr, BN: g
     return mma_v2(_to_a_operand(hi, BN, A_OP), xo, acc)
 
 
+@triton.constexpr_function
+def _regs_layouts(BN, W, IS_NV):
+    """REGS: (the copy layout of the weight words, the words' layout as the decode takes them,
+    the row layout of the scale pointers, scales a lane a K-step, scales a row a K-step)."""
+    GS = 8 if IS_NV else 16                            # packed bytes a scale
+    NS = 16 // GS                                      # scales a lane a K-step
+    WW = _weight_layout(BN, W, NS, GS // 4)            # the words, [BN, 4, NS, GS / 4]
+    RL = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WW)))
+    return _copy_layout(BN, W, 4), WW, RL, NS, 64 // GS
+
+
 @gluon.jit
-def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.constexpr,
-                 RING: gl.constexpr, num_warps: gl.constexpr, EVICT: gl.constexpr = False):
+def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
+                num_warps: gl.constexpr, EVICT: gl.constexpr = False):
+    """REGS: the loads of a slice's first RING K-steps (see :func:`_k_loop_regs`), issued on
+    their own so that a tile requests its first weight bytes before anything else it waits
+    for (its MXFP4 row maxima; a down tile's activations). For RING 2 the last two of the
+    eight results repeat the first two (unused)."""
+    CPW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[0]
+    WW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[1]
+    RL: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[2]
+    NS: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[3]
+    NSC: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[4]
+    SL: gl.constexpr = gl.SliceLayout(3, WW)
+    w_rows = gl.convert_layout(w, gl.SliceLayout(1, CPW)).to(gl.pointer_type(gl.int32))
+    s_rows = gl.convert_layout(s, RL)
+    cw = gl.arange(0, SEG_BYTES // 4, layout=gl.SliceLayout(0, CPW))
+    t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
+    si = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+    last = nseg - 1
+    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT)
+    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT)
+    if RING == 4:
+        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS, EVICT)
+        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS, EVICT)
+    else:
+        pc, sc, pd, sd = pa, sa, pb, sb
+    return pa, sa, pb, sb, pc, sc, pd, sd
+
+
+@gluon.jit
+def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg,
+                 IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
+                 num_warps: gl.constexpr, EVICT: gl.constexpr = False):
     """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
     decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
@@ -543,19 +584,19 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
     (no moves). No cp.async and no shared-memory ring, so no barrier between the warps: each
     warp runs its own chain, and the programs an SM holds are bounded by registers, not
     shared memory. Gate and up run as one matrix of 2 BN1 rows (see :func:`_decode_kernel`);
-    every row is valid (the fused launch's row tiles divide the matrix)."""
+    every row is valid (the fused launch's row tiles divide the matrix). The ring's first
+    RING steps (pa, sa ...) come from :func:`_ring_start`."""
     W: gl.constexpr = num_warps
-    GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
-    NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
-    NS: gl.constexpr = 16 // GS                        # scales a lane a K-step
     MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    CPW: gl.constexpr = _copy_layout(BN, W, 4)
-    CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
-    WW: gl.constexpr = _weight_layout(BN, W, NS, GS // 4)     # the same words, [BN, 4, NS, GS/4]
+    CPW: gl.constexpr = _regs_layouts(BN, W, IS_NV)[0]
+    WW: gl.constexpr = _regs_layouts(BN, W, IS_NV)[1]
+    RL: gl.constexpr = _regs_layouts(BN, W, IS_NV)[2]
+    NS: gl.constexpr = _regs_layouts(BN, W, IS_NV)[3]
+    NSC: gl.constexpr = _regs_layouts(BN, W, IS_NV)[4]
     SL: gl.constexpr = gl.SliceLayout(3, WW)
-    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, SL))
+    CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
     w_rows = gl.convert_layout(w, gl.SliceLayout(1, CPW)).to(gl.pointer_type(gl.int32))
     s_rows = gl.convert_layout(s, RL)
     smax = gl.convert_layout(smax, RL)
@@ -567,8 +608,6 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
     last = nseg - 1
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
-    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT)
-    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT)
     if RING == 2:
         for k in range(0, nseg, 2):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
@@ -576,8 +615,6 @@ def _k_loop_regs(w, s, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr, BN: gl.co
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT)
     else:
-        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS, EVICT)
-        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS, EVICT)
         for k in range(0, nseg, 4):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT)
@@ -632,20 +669,34 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
 @gluon.jit
 def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, stride_se, stride_sn,
              IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-             ACC_SCALE: gl.constexpr = False):
+             ACC_SCALE: gl.constexpr = False, SMAX: gl.constexpr = True):
     """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
     matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
-    bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``."""
+    bytes, MXFP4 row maxima (0 for NVFP4, with ACC_SCALE, and without SMAX: the caller takes
+    them later from :func:`_row_maxima`))``."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
     w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
     s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
+    if SMAX:
+        smax = _row_maxima(s, nmask, NSEG, IS_NV, BN, num_warps, ACC_SCALE)
+    else:
+        smax = gl.zeros([BN], gl.int32, layout=COLL)
+    return w, s, smax
+
+
+@gluon.jit
+def _row_maxima(s, nmask, NSEG, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
+                ACC_SCALE: gl.constexpr = False):
+    """The MXFP4 row maxima of rows whose K slice's scales start at ``s`` (0 for NVFP4 and
+    with ACC_SCALE), [BN] in the accumulator's row layout."""
+    COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
-        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
-    return w, s, smax
+        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * (SEG_BYTES // 16), BN, num_warps), COLL)
+    return smax
 
 
 @gluon.jit
@@ -876,10 +927,14 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 own = pn * BN1 + r % BN1
                 w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
                                        nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                                       IS_NV, 2 * BN1, num_warps)
+                                       IS_NV, 2 * BN1, num_warps, SMAX=False)
+                # the ring's first weight bytes requested before the row maxima's scales
+                pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
+                                                              num_warps, EVICT)
+                smax = _row_maxima(sc, own < I, nseg1, IS_NV, 2 * BN1, num_warps)
                 _stamp(stamps_ptr, tile, 2, num_warps)
-                acc = _k_loop_regs(w, sc, smax, x_rows, xmask, nseg1, IS_NV, 2 * BN1, REGS,
-                                   num_warps, EVICT)
+                acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
+                                   nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
                 _stamp(stamps_ptr, tile, 3, num_warps)
                 acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
                 # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
@@ -934,9 +989,17 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         if e >= 0:
             t = p // TOPK
             col = m == t
-            _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
-                                                stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
-                                                num_warps, ACC_SCALE)
+            if REGS:    # the ring's first weight bytes requested before the row maxima and the wait
+                w, s, smax = _rows_at(w2_ptr, s2_ptr, e, offs_h, offs_h < H, sp, nseg2, stride_w2e,
+                                      stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, num_warps,
+                                      SMAX=False)
+                pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
+                                                             num_warps, EVICT)
+                smax = _row_maxima(s, offs_h < H, nseg2, IS_NV, BN2, num_warps)
+            else:
+                _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
+                                                    stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
+                                                    num_warps, ACC_SCALE)
             if PREFETCH:
                 _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
             _wait_count(ctr_ptr + 1 + p, n_tiles1)
@@ -946,8 +1009,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             if ACC_SCALE:
                 amask = m >= 0
             if REGS:
-                acc = _k_loop_regs(w, s, smax, a_rows, amask, nseg2, IS_NV, BN2, REGS, num_warps,
-                                   EVICT)
+                acc = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask, nseg2,
+                                   IS_NV, BN2, REGS, num_warps, EVICT)
             else:
                 acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                       IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)

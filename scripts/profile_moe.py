@@ -133,6 +133,17 @@ def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config")
         figures["down: loop median"].append(us((dn[live, 3] - dn[live, 2]).median()))
         figures["down: after loop median"].append(us((dn[live, 4] - dn[live, 3]).median()))
         figures["SMs used"].append(float(st[:, 5].unique().numel()))
+        # the stragglers: loop time against how many tiles of the same phase share the SM
+        for phase, a in (("gate/up", gu), ("down", dn)):
+            a = a[a[:, 2] > 0]
+            sm = a[:, 5].long()
+            per_sm = torch.bincount(sm, minlength=int(st[:, 5].max()) + 1)[sm]
+            loop = a[:, 3] - a[:, 2]
+            for n in per_sm.unique().tolist():
+                figures[f"{phase}: loop median, {n} an SM"].append(us(loop[per_sm == n].median()))
+            q = torch.tensor([0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
+            figures[f"{phase}: loop end p10/p50/p90/max"].append(
+                [round(us(v - t0), 1) for v in torch.quantile(a[:, 3], q)])
         span = float(end(st).max() - t0)
         bins = 12
         conc = []
@@ -144,7 +155,7 @@ def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config")
           f"{reps} calls:")
     for name, vals in figures.items():
         if isinstance(vals[0], list):
-            print(f"  {name}: {[int(statistics.median(c)) for c in zip(*vals)]}")
+            print(f"  {name}: {[round(statistics.median(c), 1) for c in zip(*vals)]}")
         else:
             print(f"  {name:<28} {statistics.median(vals):8.2f}" + ("" if name == "SMs used" else " us"))
 

@@ -263,6 +263,13 @@ CANDIDATES = [
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True),
     _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True),
     _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4, REGS=4, EVICT=True),
+    # round 13c: the table's entry after 13b (#149), its ring's first loads issued before the
+    # row maxima and a down tile's wait (168 registers offline), with register caps
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           MAXNREG=128),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           MAXNREG=152),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False),
 ]
 
 
