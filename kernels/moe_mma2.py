@@ -865,7 +865,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr,
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
-                   PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False):
+                   PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
+                   EARLY: gl.constexpr = True):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -889,7 +890,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     the counters; every program waits for that kernel before its ticket.
     ``REGS`` (2 or 4; 0: the shared-memory ring): the K loops read their bytes into registers,
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
-    BN1 up rows as one matrix of 2 BN1 rows."""
+    BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a tile requests its ring's first
+    REGS K-steps before it loads its MXFP4 row maxima and, a down tile, before it waits for
+    its activations; otherwise just before its loop. ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -928,10 +931,13 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
                                        nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
                                        IS_NV, 2 * BN1, num_warps, SMAX=False)
-                # the ring's first weight bytes requested before the row maxima's scales
-                pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
-                                                              num_warps, EVICT)
+                if EARLY:   # the ring's first weight bytes requested before the row maxima
+                    pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1,
+                                                                  REGS, num_warps, EVICT)
                 smax = _row_maxima(sc, own < I, nseg1, IS_NV, 2 * BN1, num_warps)
+                if not EARLY:
+                    pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1,
+                                                                  REGS, num_warps, EVICT)
                 _stamp(stamps_ptr, tile, 2, num_warps)
                 acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
                                    nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
@@ -989,12 +995,13 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         if e >= 0:
             t = p // TOPK
             col = m == t
-            if REGS:    # the ring's first weight bytes requested before the row maxima and the wait
+            if REGS:    # EARLY: the ring's first weight bytes requested before the row maxima
                 w, s, smax = _rows_at(w2_ptr, s2_ptr, e, offs_h, offs_h < H, sp, nseg2, stride_w2e,
                                       stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, num_warps,
-                                      SMAX=False)
-                pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
-                                                             num_warps, EVICT)
+                                      SMAX=False)          # and the wait
+                if EARLY:
+                    pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
+                                                                 num_warps, EVICT)
                 smax = _row_maxima(s, offs_h < H, nseg2, IS_NV, BN2, num_warps)
             else:
                 _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
@@ -1009,6 +1016,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             if ACC_SCALE:
                 amask = m >= 0
             if REGS:
+                if not EARLY:
+                    pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
+                                                                 num_warps, EVICT)
                 acc = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask, nseg2,
                                    IS_NV, BN2, REGS, num_warps, EVICT)
             else:
@@ -1034,7 +1044,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG", "EVICT")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG", "EVICT", "EARLY")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1057,7 +1067,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False):
+              EVICT=False, EARLY=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1078,6 +1088,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``EVICT`` (REGS only): the register ring loads the weights and scales with an L2
     evict-first policy instead of ``.cg``, so that bytes read once do not push the L2's other
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
+    ``EARLY`` (REGS only): a tile's first ring loads go out before its row maxima and (down)
+    its wait for the activations (see :func:`_decode_kernel`).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1155,7 +1167,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1195,7 +1207,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False):
+                  evict=False, early=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1223,7 +1235,8 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, launch_pdl=pdl,
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
+        launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

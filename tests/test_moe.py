@@ -1065,6 +1065,8 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                     EVICT=True),
                                dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=None,
                                     EVICT=None, PREFETCH=False),
+                               dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
+                                    EARLY=False),
                                dict(BN1=64, BN2=32, num_warps=2, STAGES=2, NSPS=2)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):

@@ -24,7 +24,7 @@ import torch
 from dsv4lab import bench, runtime
 from dsv4lab.ops import fused_moe, route
 from dsv4lab.ops.moe import moe_dense
-from dsv4lab.kernels.moe import _MMA2_T1_REGS, _MMA2_T1_SMEM, _MMA2_T64, PLAIN, config_for
+from dsv4lab.kernels.moe import _MMA2_T1, _MMA2_T1_REGS, _MMA2_T1_SMEM, _MMA2_T64, PLAIN, config_for
 from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_quantize
 
 FLASH = dict(E=256, H=4096, I=2048, topk=6)
@@ -168,6 +168,9 @@ VARIANTS = [
     # Session 12: the T = 1 entry before its loads took an L2 evict-first policy (EVICT), with
     # the waiting down tiles' L2 prefetch as MXFP4 had it, for the A/B
     ("mma2_noevict_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_REGS))),
+    # the T = 1 entry with each tile's first ring loads issued just before its loop (EARLY
+    # off), as before session 12, instead of ahead of its row maxima and (down) its wait
+    ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -180,7 +183,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_t1": (1,), "mma2_fused_t1": (1,), "mma2_fastdec_t1": (1,),
                 "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
                 "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
-                "mma2_smem_t1": (1,), "mma2_noevict_t1": (1,),
+                "mma2_smem_t1": (1,), "mma2_noevict_t1": (1,), "mma2_late_ring_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
