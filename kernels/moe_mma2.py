@@ -547,9 +547,9 @@ def _regs_layouts(BN, W, IS_NV):
 def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
                 num_warps: gl.constexpr, EVICT: gl.constexpr = False):
     """REGS: the loads of a slice's first RING K-steps (see :func:`_k_loop_regs`), issued on
-    their own so that a tile requests its first weight bytes before anything else it waits
-    for (its MXFP4 row maxima; a down tile's activations). For RING 2 the last two of the
-    eight results repeat the first two (unused)."""
+    their own so that a down tile can request its first weight bytes before it waits for its
+    activations (``EARLY``). For RING 2 the last two of the eight results repeat the first two
+    (unused)."""
     CPW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[0]
     WW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[1]
     RL: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[2]
@@ -669,34 +669,20 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
 @gluon.jit
 def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, stride_se, stride_sn,
              IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-             ACC_SCALE: gl.constexpr = False, SMAX: gl.constexpr = True):
+             ACC_SCALE: gl.constexpr = False):
     """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
     matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
-    bytes, MXFP4 row maxima (0 for NVFP4, with ACC_SCALE, and without SMAX: the caller takes
-    them later from :func:`_row_maxima`))``."""
+    bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
     w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
     s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
-    if SMAX:
-        smax = _row_maxima(s, nmask, NSEG, IS_NV, BN, num_warps, ACC_SCALE)
-    else:
-        smax = gl.zeros([BN], gl.int32, layout=COLL)
-    return w, s, smax
-
-
-@gluon.jit
-def _row_maxima(s, nmask, NSEG, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                ACC_SCALE: gl.constexpr = False):
-    """The MXFP4 row maxima of rows whose K slice's scales start at ``s`` (0 for NVFP4 and
-    with ACC_SCALE), [BN] in the accumulator's row layout."""
-    COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
-        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * (SEG_BYTES // 16), BN, num_warps), COLL)
-    return smax
+        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
+    return w, s, smax
 
 
 @gluon.jit
@@ -890,9 +876,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     the counters; every program waits for that kernel before its ticket.
     ``REGS`` (2 or 4; 0: the shared-memory ring): the K loops read their bytes into registers,
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
-    BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a tile requests its ring's first
-    REGS K-steps before it loads its MXFP4 row maxima and, a down tile, before it waits for
-    its activations; otherwise just before its loop. ``EVICT`` (REGS): see :func:`fused_moe`."""
+    BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
+    first REGS K-steps before it waits for its activations (otherwise after).
+    ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -930,14 +916,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 own = pn * BN1 + r % BN1
                 w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
                                        nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                                       IS_NV, 2 * BN1, num_warps, SMAX=False)
-                if EARLY:   # the ring's first weight bytes requested before the row maxima
-                    pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1,
-                                                                  REGS, num_warps, EVICT)
-                smax = _row_maxima(sc, own < I, nseg1, IS_NV, 2 * BN1, num_warps)
-                if not EARLY:
-                    pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1,
-                                                                  REGS, num_warps, EVICT)
+                                       IS_NV, 2 * BN1, num_warps)
+                pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
+                                                              num_warps, EVICT)
                 _stamp(stamps_ptr, tile, 2, num_warps)
                 acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
                                    nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
@@ -995,18 +976,12 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         if e >= 0:
             t = p // TOPK
             col = m == t
-            if REGS:    # EARLY: the ring's first weight bytes requested before the row maxima
-                w, s, smax = _rows_at(w2_ptr, s2_ptr, e, offs_h, offs_h < H, sp, nseg2, stride_w2e,
-                                      stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, num_warps,
-                                      SMAX=False)          # and the wait
-                if EARLY:
-                    pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
-                                                                 num_warps, EVICT)
-                smax = _row_maxima(s, offs_h < H, nseg2, IS_NV, BN2, num_warps)
-            else:
-                _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
-                                                    stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
-                                                    num_warps, ACC_SCALE)
+            _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
+                                                stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
+                                                num_warps, ACC_SCALE)
+            if REGS and EARLY:    # the ring's first weight bytes requested before the wait
+                pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
+                                                             num_warps, EVICT)
             if PREFETCH:
                 _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
             _wait_count(ctr_ptr + 1 + p, n_tiles1)
@@ -1088,8 +1063,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``EVICT`` (REGS only): the register ring loads the weights and scales with an L2
     evict-first policy instead of ``.cg``, so that bytes read once do not push the L2's other
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
-    ``EARLY`` (REGS only): a tile's first ring loads go out before its row maxima and (down)
-    its wait for the activations (see :func:`_decode_kernel`).
+    ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
+    activations (see :func:`_decode_kernel`).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape

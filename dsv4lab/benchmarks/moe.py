@@ -168,8 +168,8 @@ VARIANTS = [
     # Session 12: the T = 1 entry before its loads took an L2 evict-first policy (EVICT), with
     # the waiting down tiles' L2 prefetch as MXFP4 had it, for the A/B
     ("mma2_noevict_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_REGS))),
-    # the T = 1 entry with each tile's first ring loads issued just before its loop (EARLY
-    # off), as before session 12, instead of ahead of its row maxima and (down) its wait
+    # the T = 1 entry with a down tile's first ring loads issued after its wait for the
+    # activations (EARLY off), as before session 12
     ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
