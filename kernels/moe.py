@@ -1073,8 +1073,11 @@ _MMA2_T1_SMEM = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, ST
 # Session 12: the ring's loads with an L2 evict-first policy (EVICT; None: wherever REGS runs),
 # both formats without the L2 prefetch (tune_moe round 13b, H200 printout: MXFP4 44.8 us,
 # NVFP4 48.4, against 47.2 / 52.5 for the entry before in the same run; with the prefetch 45.2
-# / 49.5). The benchmark times calls after dirtying the L2 (as a decode step finds it), and
-# weight bytes read once then evict lines that must first be written back.
+# / 49.5), and a down tile's first ring loads ahead of its wait (EARLY, moe_mma2's default).
+# The benchmark times calls after dirtying the L2 (as a decode step finds it), and weight
+# bytes read once then evict lines that must first be written back. `dsv4lab bench moe` rows
+# at 6956022: MXFP4 44.6 us (0.424), NVFP4 46.5, against 48.0 / 52.4 for _MMA2_T1_REGS
+# (variant mma2_noevict_t1) in the same run.
 _MMA2_T1_REGS = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, STAGES=3, NSPS=2,
                      num_warps=2, REGS=None)
 _MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False)

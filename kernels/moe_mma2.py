@@ -115,6 +115,24 @@ time, so that a row's 128 bytes reach the memory system together (48.1 against 4
 fragments loaded a K-step ahead (47.0-47.3 against 47.1); and slower: a register cap of 128
 (MAXNREG, 53.2), REGS 2 at the same splits (54.3).
 
+The L2 policy of the weight loads (``EVICT``, the T = 1 default with REGS, session 12). The
+benchmark times a call after ``do_bench``'s zero-fill flush, which leaves the L2 full of dirty
+lines (as a decode step finds it after the rest of the step's writes); every weight line a
+``.cg`` load brings in then evicts one of them, and that line is first written back to HBM.
+Loaded with an L2 evict-first policy, the weights, read once, take the place of each other
+instead. Measured (H200, `dsv4lab bench moe` rows at 6956022): T = 1 MXFP4 44.6 us (0.424 of
+the roofline), NVFP4 46.5, against 48.0 / 52.4 for the entry before (variant
+mma2_noevict_t1) in the same run; a read-only probe of the same layout had shown it first
+(printout, ``python3 scripts/probe_weight_reads.py``). The shared-memory ring cannot take it:
+Gluon's cp.async carries no L2 policy. ``EARLY`` (REGS, default on): a down tile issues its
+ring's first K-steps before it waits for its activations (45.1 / 47.8 us without, same run);
+issuing a gate/up tile's before its MXFP4 row maxima instead made MXFP4 slower (rows at
+50c1cf7: 45.9 against 45.3): the row maxima's scale loads then queue behind them. Measured
+slower (tune_moe round 13, printouts): 16 rows a warp (BN1 8, one warp a tile, 3072 gate/up
+tiles; 83 registers): 56.3-58.3 us against 47.1. Where it stands: a read-only kernel of 75 MB
+reaches 0.63 of the roofline by the same method (`dsv4lab bench l2`, rows at bea1bb9), so 0.5
+at T = 1 (80 MB in two dependent phases) asks for 80% of a plain read's speed.
+
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import os
