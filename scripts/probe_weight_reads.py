@@ -15,6 +15,10 @@ dirty L2), with
 against :func:`dsv4lab.kernels.stream_read.stream_read` of the same 48 MB. Its printout is the
 reason for moe_mma2's ``EVICT`` (session 12); the recorded evidence is ``dsv4lab bench moe``
 (variant ``mma2_noevict_t1`` against the default in the same run).
+
+H200 printout at cacf1ed (us; gate/up rows alone, then with the down rows after them):
+stream_read 21.1; 64 B a step, ``.cg`` 28.6 / 39.3, evict-first 23.3 / 33.3; 256 B a step,
+``.cg`` 22.9 / 34.0, evict-first 20.2 / 29.0.
 """
 from __future__ import annotations
 
