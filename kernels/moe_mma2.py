@@ -562,23 +562,32 @@ def _regs_layouts(BN, W, IS_NV):
 
 
 @gluon.jit
-def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                num_warps: gl.constexpr, EVICT: gl.constexpr = False):
-    """REGS: the loads of a slice's first RING K-steps (see :func:`_k_loop_regs`), issued on
-    their own so that a down tile can request its first weight bytes before it waits for its
-    activations (``EARLY``). For RING 2 the last two of the eight results repeat the first two
-    (unused)."""
+def _ring_addrs(w, s, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
+    """REGS: the rows' first weight words and scale bytes and the lane offsets of a K-step's
+    loads (:func:`_load_step`), from the rows' first bytes ``w`` and ``s``."""
     CPW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[0]
     WW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[1]
     RL: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[2]
     NS: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[3]
-    NSC: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[4]
     SL: gl.constexpr = gl.SliceLayout(3, WW)
     w_rows = gl.convert_layout(w, gl.SliceLayout(1, CPW)).to(gl.pointer_type(gl.int32))
     s_rows = gl.convert_layout(s, RL)
     cw = gl.arange(0, SEG_BYTES // 4, layout=gl.SliceLayout(0, CPW))
     t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
     si = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
+    return w_rows, s_rows, cw, t4, si
+
+
+@gluon.jit
+def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
+                num_warps: gl.constexpr, EVICT: gl.constexpr = False):
+    """REGS: the loads of a slice's first RING K-steps (see :func:`_k_loop_regs`), issued on
+    their own so that a down tile can request its first weight bytes before it waits for its
+    activations (``EARLY``). For RING 2 the last two of the eight results repeat the first two
+    (unused)."""
+    NS: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[3]
+    NSC: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[4]
+    w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps)
     last = nseg - 1
     pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT)
     pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT)
@@ -608,19 +617,13 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    CPW: gl.constexpr = _regs_layouts(BN, W, IS_NV)[0]
     WW: gl.constexpr = _regs_layouts(BN, W, IS_NV)[1]
     RL: gl.constexpr = _regs_layouts(BN, W, IS_NV)[2]
     NS: gl.constexpr = _regs_layouts(BN, W, IS_NV)[3]
     NSC: gl.constexpr = _regs_layouts(BN, W, IS_NV)[4]
-    SL: gl.constexpr = gl.SliceLayout(3, WW)
     CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
-    w_rows = gl.convert_layout(w, gl.SliceLayout(1, CPW)).to(gl.pointer_type(gl.int32))
-    s_rows = gl.convert_layout(s, RL)
+    w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps)
     smax = gl.convert_layout(smax, RL)
-    cw = gl.arange(0, SEG_BYTES // 4, layout=gl.SliceLayout(0, CPW))
-    t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
-    si = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
     xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
     xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))[:, None]
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
