@@ -129,7 +129,7 @@ ring's first K-steps before it waits for its activations (45.1 / 47.8 us without
 issuing a gate/up tile's before its MXFP4 row maxima instead made MXFP4 slower (rows at
 50c1cf7: 45.9 against 45.3): the row maxima's scale loads then queue behind them. Measured
 slower (tune_moe round 13, printouts): 16 rows a warp (BN1 8, one warp a tile, 3072 gate/up
-tiles; 83 registers): 56.3-58.3 us against 47.1. Where it stands: a read-only kernel of 75 MB
+tiles; 83 registers): 56.3-69.8 us against 47.1. Where it stands: a read-only kernel of 75 MB
 reaches 0.63 of the roofline by the same method (`dsv4lab bench l2`, rows at bea1bb9), so 0.5
 at T = 1 (80 MB in two dependent phases) asks for 80% of a plain read's speed.
 
@@ -520,16 +520,20 @@ def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexp
     """REGS: K-step k's weight words [BN, 16] (lane t's 16 bytes of a row, one 16-byte load)
     and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers. Unmasked:
     the fused launch's row tiles divide the matrix, and k is clamped by the caller."""
-    if EVICT:
-        p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :],
-                    eviction_policy="evict_first")
-        sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
-                     eviction_policy="evict_first")
-    else:
-        p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=".cg")
-        sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
-                     cache_modifier=".cg")
+    CACHE: gl.constexpr = _load_hints(EVICT)[0]
+    POLICY: gl.constexpr = _load_hints(EVICT)[1]
+    p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=CACHE,
+                eviction_policy=POLICY)
+    sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
+                 cache_modifier=CACHE, eviction_policy=POLICY)
     return p, sb
+
+
+@triton.constexpr_function
+def _load_hints(EVICT):
+    """REGS's weight loads: (cache modifier, eviction policy). ``EVICT``: L2 evict-first (PTX
+    takes no ``.cg`` with it); otherwise ``.cg``, the L2's default policy."""
+    return ("", "evict_first") if EVICT else (".cg", "")
 
 
 @gluon.jit
