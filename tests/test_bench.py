@@ -148,3 +148,27 @@ def test_stream_read_refuses_bad_input():
         stream_read(torch.zeros(8, dtype=torch.int32), block=100)
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
         stream_read(torch.zeros(8, dtype=torch.int32), programs=0)
+
+
+def test_gap_table_pairs_the_states_of_one_commit():
+    """The L2 gap of a kernel is the difference of its two L2 states measured on the same code:
+    a newer commit with only a dirty row does not pair with an older clean row; the newest
+    commit with both wins; rows without an ``l2`` and smoke rows are ignored."""
+    from dsv4lab.benchmarks.l2 import gap_table
+
+    def row(commit, l2, ms, **kw):
+        return dict(backend="mma", kv="bf16", B=64, S_q=1, topk=2048, commit=commit, l2=l2,
+                    ms=ms, **kw)
+    mla = [row("aaaaaaa1", "dirty", 0.060), row("aaaaaaa1", "clean", 0.057),
+           row("bbbbbbb2", "clean", 0.050), row("bbbbbbb2", "dirty", 0.053),
+           row("ccccccc3", "dirty", 0.040),                       # newer code, dirty only
+           row("ddddddd4", "clean", 0.001, smoke=True), row("ddddddd4", "dirty", 0.002, smoke=True),
+           dict(row("eeeeeee5", None, 0.001))]
+    out = {r["case"]: r for r in gap_table({"l2": [], "moe": [], "sparse_mla": mla})}
+    r = out["sparse MLA bf16, B 64, S_q 1"]
+    assert r["commits"] == "bbbbbbb/bbbbbbb"
+    assert r["dirty_us"] == pytest.approx(53.0) and r["clean_us"] == pytest.approx(50.0)
+    assert r["gap_us"] == pytest.approx(3.0)
+    assert "MoE MXFP4, T 1" not in out                               # nothing recorded
+    only_dirty = gap_table({"l2": [], "moe": [], "sparse_mla": [row("ccccccc3", "dirty", 0.04)]})
+    assert only_dirty == []

@@ -56,21 +56,26 @@ GAP_CASES = (
 
 
 def gap_table(rows_by_bench: dict[str, list[dict]] | None = None) -> list[dict]:
-    """Newest recorded GPU row after each L2 state, per size of ``bench l2`` and per
-    :data:`GAP_CASES` shape: ``{"case", "dirty_us", "clean_us", "gap_us", "commits"}`` (only
-    where both states were recorded). Explained in notebooks/00_tour.ipynb."""
+    """Per size of ``bench l2`` and per :data:`GAP_CASES` shape, the newest recorded GPU rows
+    after each L2 state from one commit (the newest commit with both; a dirty row of newer code
+    against a clean row of older code would charge the code's change to the L2):
+    ``{"case", "dirty_us", "clean_us", "gap_us", "commits"}``, only where some commit recorded
+    both states. Explained in notebooks/00_tour.ipynb."""
     from dsv4lab import results
     if rows_by_bench is None:
         rows_by_bench = {b: results.load(b) for b in ("l2", "moe", "sparse_mla")}
     cases = [("l2", f"read-only kernel, {mb:g} MB", dict(op="stream_read", MB=mb)) for mb in SIZES_MB]
     out = []
     for bench_name, label, match in cases + list(GAP_CASES):
-        newest = {}
+        by_commit: dict[str, dict[str, dict]] = {}      # rows in recording order: newest last
         for r in rows_by_bench.get(bench_name, []):
             if not r.get("smoke") and r.get("l2") and all(r.get(k) == v for k, v in match.items()):
-                newest[r["l2"]] = r
-        if len(newest) == 2:
-            d, c = newest["dirty"], newest["clean"]
+                states = by_commit.pop(str(r.get("commit")), {})
+                states[r["l2"]] = r
+                by_commit[str(r.get("commit"))] = states       # re-inserted: newest last
+        both = [st for st in by_commit.values() if "dirty" in st and "clean" in st]
+        if both:
+            d, c = both[-1]["dirty"], both[-1]["clean"]
             out.append(dict(case=label, dirty_us=d["ms"] * 1e3, clean_us=c["ms"] * 1e3,
                             gap_us=(d["ms"] - c["ms"]) * 1e3,
                             commits=f"{str(d['commit'])[:7]}/{str(c['commit'])[:7]}"))
