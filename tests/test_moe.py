@@ -1082,9 +1082,10 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     from dsv4lab.kernels import moe_mma2
     x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
 
-    def run():
+    def run(**change):
         return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, FUSED=True, **kw, **launch)
+                                  fmt=fmt, swiglu_limit=limit, FUSED=True, **kw,
+                                  **dict(launch, **change))
     if launch.get("REGS") and torch.cuda.get_device_capability() < (8, 9):
         with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
             run()
@@ -1100,10 +1101,7 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     assert torch.equal(run(), out)
     if "REGS" in launch and T <= 8 and torch.cuda.get_device_capability() >= (8, 9):
         # an L2 policy changes no bits
-        flip = dict(launch, EVICT=not launch.get("EVICT", False))
-        assert torch.equal(moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-                                              ids, w, fmt=fmt, swiglu_limit=limit, FUSED=True,
-                                              **kw, **flip), out)
+        assert torch.equal(run(EVICT=not launch.get("EVICT", False)), out)
 
 
 @gpu
