@@ -9,6 +9,11 @@ the gap between the two states is what the timing method, not the kernel, costs.
 Each program walks the buffer in a grid stride of ``BLOCK`` words (coalesced 16-byte loads
 per thread) and writes the xor of what it read: one word a program.
 
+:func:`rows_read` reads the same way the T = 1 MoE decode reads its weights (kernels/moe_mma2.py,
+REGS): the buffer as rows, a program a tile of rows and a K slice of them, ``step`` bytes a row
+a step, with ``.cg`` loads or an L2 evict-first policy (``evict``): what that access pattern
+costs apart from the MoE (scripts/probe_weight_reads.py).
+
 Explained in notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
@@ -28,17 +33,21 @@ def _stream_read_kernel(src, out, n_words, BLOCK: tl.constexpr):
     tl.store(out + pid, tl.xor_sum(acc, axis=0))
 
 
+def _check_words(words: torch.Tensor) -> None:
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 1:
+        raise ValueError(f"words must be a 1-D int32 tensor, got "
+                         f"{getattr(words, 'dtype', type(words).__name__)} of shape {tuple(getattr(words, 'shape', ()))}")
+    if not words.is_contiguous():
+        raise ValueError("words must be contiguous")
+
+
 def stream_read(words: torch.Tensor, *, programs: int | None = None, block: int = 2048) -> torch.Tensor:
     """Read every element of ``words`` (contiguous 1-D int32) once; return the per-program xor.
 
     ``programs`` defaults to 8 a streaming multiprocessor on a GPU (4 under the interpreter).
     The xor of the result equals the xor of ``words``: the check that every word was read.
     """
-    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 1:
-        raise ValueError(f"words must be a 1-D int32 tensor, got "
-                         f"{getattr(words, 'dtype', type(words).__name__)} of shape {tuple(getattr(words, 'shape', ()))}")
-    if not words.is_contiguous():
-        raise ValueError("words must be contiguous")
+    _check_words(words)
     if block <= 0 or block & (block - 1):
         raise ValueError(f"block must be a power of two, got {block}")
     if programs is None:
@@ -48,4 +57,48 @@ def stream_read(words: torch.Tensor, *, programs: int | None = None, block: int 
         raise ValueError(f"programs must be >= 1, got {programs}")
     out = torch.empty(programs, dtype=torch.int32, device=words.device)
     _stream_read_kernel[(programs,)](words, out, words.numel(), BLOCK=block, num_warps=8)
+    return out
+
+
+@triton.jit
+def _rows_read_kernel(src, out, ROWS: tl.constexpr, STEP: tl.constexpr, NSTEP: tl.constexpr,
+                      SLICES: tl.constexpr, ROW_BYTES: tl.constexpr, EVICT: tl.constexpr):
+    """Program p: ROWS rows of tile p // SLICES, K slice p % SLICES, STEP bytes a row a step;
+    writes each row's xor over its slice."""
+    pid = tl.program_id(0)
+    rows = (pid // SLICES) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, STEP // 4)
+    base = src + rows[:, None].to(tl.int64) * (ROW_BYTES // 4) + (pid % SLICES) * (NSTEP * STEP // 4)
+    acc = tl.zeros([ROWS, STEP // 4], tl.int32)
+    for k in range(NSTEP):
+        if EVICT:
+            acc ^= tl.load(base + k * (STEP // 4) + cols[None, :], eviction_policy="evict_first")
+        else:
+            acc ^= tl.load(base + k * (STEP // 4) + cols[None, :], cache_modifier=".cg")
+    tl.store(out + pid * ROWS + tl.arange(0, ROWS), tl.xor_sum(acc, axis=1))
+
+
+def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slices: int = 1,
+              evict: bool = False, num_warps: int = 2) -> torch.Tensor:
+    """Read ``words`` (contiguous 1-D int32) as rows of ``row_bytes`` bytes: a program ``rows``
+    rows and one of ``slices`` K slices of them, ``step`` bytes a row a step (``evict``: with an
+    L2 evict-first policy instead of ``.cg``). Returns each (program, row)'s xor: their xor
+    equals the xor of ``words``, the check that every word was read."""
+    _check_words(words)
+    nbytes = words.numel() * 4
+    for name, v in (("rows", rows), ("step", step), ("slices", slices)):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if step < 4 or row_bytes % (slices * step):
+        raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of slices x step "
+                         f"({slices} x {step}), step at least 4")
+    if nbytes % (rows * row_bytes):
+        raise ValueError(f"words ({nbytes} bytes) must hold whole tiles of {rows} rows of "
+                         f"{row_bytes} bytes")
+    programs = nbytes // row_bytes // rows * slices
+    out = torch.empty(programs * rows, dtype=torch.int32, device=words.device)
+    _rows_read_kernel[(programs,)](words, out, ROWS=rows, STEP=step,
+                                   NSTEP=row_bytes // slices // step, SLICES=slices,
+                                   ROW_BYTES=row_bytes, EVICT=bool(evict), num_warps=num_warps,
+                                   num_stages=4)
     return out

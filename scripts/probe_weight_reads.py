@@ -7,7 +7,7 @@ eight rows a warp instruction, one tile of rows a program, after ``do_bench``'s 
 flush has left the L2 full of dirty lines. This probe reads 48 MB laid out as the 6 experts'
 gate/up rows (24576 rows of 2 KB, each program 64 rows x one 1 KB half) and then 24 MB as
 their down rows (1 KB rows, 32 a program), timed as ``dsv4lab bench`` times (CUDA graph,
-dirty L2), with
+dirty L2), with :func:`dsv4lab.kernels.stream_read.rows_read` and
 
 * the bytes a row a step (64, as the MoE; 256),
 * the loads' cache policy (``.cg``, as the MoE before session 12; L2 evict-first, ``EVICT``),
@@ -16,7 +16,8 @@ against :func:`dsv4lab.kernels.stream_read.stream_read` of the same 48 MB. Its p
 reason for moe_mma2's ``EVICT`` (session 12); the recorded evidence is ``dsv4lab bench moe``
 (variant ``mma2_noevict_t1`` against the default in the same run).
 
-H200 printout at cacf1ed (us; gate/up rows alone, then with the down rows after them):
+H200 printout at cacf1ed (the read kernel then lived here and ended on a sum, now an xor;
+us; gate/up rows alone, then with the down rows after them):
 stream_read 21.1; 64 B a step, ``.cg`` 28.6 / 39.3, evict-first 23.3 / 33.3; 256 B a step,
 ``.cg`` 22.9 / 34.0, evict-first 20.2 / 29.0.
 """
@@ -27,35 +28,9 @@ import sys
 import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
 import torch
 import triton
-import triton.language as tl
 
 from dsv4lab import bench
-from dsv4lab.kernels.stream_read import stream_read
-
-
-@triton.jit
-def _rows_read(src, out, ROWS: tl.constexpr, STEP: tl.constexpr, NSTEP: tl.constexpr,
-               SLICES: tl.constexpr, ROW_BYTES: tl.constexpr, EVICT: tl.constexpr):
-    """Program p: ROWS rows of tile p // SLICES, K slice p % SLICES, STEP bytes a row a step."""
-    pid = tl.program_id(0)
-    rows = (pid // SLICES) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, STEP // 4)
-    base = src + rows[:, None].to(tl.int64) * (ROW_BYTES // 4) + (pid % SLICES) * (NSTEP * STEP // 4)
-    acc = tl.zeros([ROWS, STEP // 4], tl.int32)
-    for k in range(NSTEP):
-        if EVICT:
-            acc ^= tl.load(base + k * (STEP // 4) + cols[None, :], eviction_policy="evict_first")
-        else:
-            acc ^= tl.load(base + k * (STEP // 4) + cols[None, :], cache_modifier=".cg")
-    tl.store(out + pid * ROWS + tl.arange(0, ROWS), tl.sum(acc, axis=1))
-
-
-def _read(words, out, rows, row_bytes, step, slices, evict, warps=2):
-    n_rows = words.numel() * 4 // row_bytes
-    grid = (n_rows // rows * slices,)
-    _rows_read[grid](words, out, ROWS=rows, STEP=step, NSTEP=row_bytes // slices // step,
-                     SLICES=slices, ROW_BYTES=row_bytes, EVICT=evict, num_warps=warps,
-                     num_stages=4)
+from dsv4lab.kernels.stream_read import rows_read, stream_read
 
 
 def main() -> int:
@@ -66,16 +41,16 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     gate_up = torch.randint(0, 2**30, ((48 << 20) // 4,), dtype=torch.int32, device=dev, generator=gen)
     down = torch.randint(0, 2**30, ((24 << 20) // 4,), dtype=torch.int32, device=dev, generator=gen)
-    out = torch.empty(1 << 20, dtype=torch.int32, device=dev)
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; CUDA graph, dirty L2")
     us = lambda fn: bench.time_graph(fn)["ms"] * 1e3      # noqa: E731
     print(f"  stream_read, 48 MB                               {us(lambda: stream_read(gate_up)):6.1f} us")
     for step in (64, 256):
         for evict in (False, True):
             tag = f"gate/up rows, {step:3d} B a row a step, {'evict-first' if evict else '.cg        '}"
-            one = us(lambda: _read(gate_up, out, 64, 2048, step, 2, evict))
-            both = us(lambda: (_read(gate_up, out, 64, 2048, step, 2, evict),
-                               _read(down, out, 32, 1024, step, 1, evict)))
+            gu = dict(row_bytes=2048, rows=64, step=step, slices=2, evict=evict)
+            dn = dict(row_bytes=1024, rows=32, step=step, slices=1, evict=evict)
+            one = us(lambda: rows_read(gate_up, **gu))
+            both = us(lambda: (rows_read(gate_up, **gu), rows_read(down, **dn)))
             print(f"  {tag}  {one:6.1f} us; then the down rows: {both:6.1f} us")
     return 0
 

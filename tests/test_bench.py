@@ -172,3 +172,33 @@ def test_gap_table_pairs_the_states_of_one_commit():
     assert "MoE MXFP4, T 1" not in out                               # nothing recorded
     only_dirty = gap_table({"l2": [], "moe": [], "sparse_mla": [row("ccccccc3", "dirty", 0.04)]})
     assert only_dirty == []
+
+
+@settings(max_examples=8, deadline=None)
+@given(rows=st.sampled_from([1, 4]), step=st.sampled_from([16, 64]), slices=st.sampled_from([1, 2]),
+       tiles=st.sampled_from([1, 3]), evict=st.booleans())
+def test_rows_read_reads_every_word(rows, step, slices, tiles, evict):
+    """scripts/probe_weight_reads.py's read: tiles of rows, K slices, a step of bytes a row a
+    step, either cache policy: the xors of (program, row) fold to the xor of all words."""
+    from dsv4lab.benchmarks.l2 import _xor
+    from dsv4lab.kernels.stream_read import rows_read
+    row_bytes = 2 * slices * step
+    n = tiles * rows * row_bytes // 4
+    words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(n)).to(runtime.device())
+    out = rows_read(words, row_bytes=row_bytes, rows=rows, step=step, slices=slices, evict=evict)
+    assert out.shape == (tiles * slices * rows,)
+    assert _xor(out) == _xor(words)
+
+
+def test_rows_read_refuses_bad_input():
+    from dsv4lab.kernels.stream_read import rows_read
+    w = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="words must be contiguous"):
+        rows_read(torch.zeros(128, dtype=torch.int32)[::2], row_bytes=64, rows=1, step=16)
+    with pytest.raises(ValueError, match="step must be a power of two, got 24"):
+        rows_read(w, row_bytes=64, rows=1, step=24)
+    with pytest.raises(ValueError, match=r"row_bytes \(64\) must be a multiple of slices x step"):
+        rows_read(w, row_bytes=64, rows=1, step=64, slices=2)
+    with pytest.raises(ValueError, match="whole tiles of 8 rows of 64 bytes"):
+        rows_read(w, row_bytes=64, rows=8, step=16)

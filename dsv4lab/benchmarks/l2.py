@@ -70,9 +70,10 @@ def gap_table(rows_by_bench: dict[str, list[dict]] | None = None) -> list[dict]:
         by_commit: dict[str, dict[str, dict]] = {}      # rows in recording order: newest last
         for r in rows_by_bench.get(bench_name, []):
             if not r.get("smoke") and r.get("l2") and all(r.get(k) == v for k, v in match.items()):
-                states = by_commit.pop(str(r.get("commit")), {})
+                commit = str(r.get("commit"))
+                states = by_commit.pop(commit, {})
                 states[r["l2"]] = r
-                by_commit[str(r.get("commit"))] = states       # re-inserted: newest last
+                by_commit[commit] = states                       # re-inserted: newest last
         both = [st for st in by_commit.values() if "dirty" in st and "clean" in st]
         if both:
             d, c = both[-1]["dirty"], both[-1]["clean"]
