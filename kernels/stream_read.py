@@ -83,7 +83,8 @@ def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slic
     """Read ``words`` (contiguous 1-D int32) as rows of ``row_bytes`` bytes: a program ``rows``
     rows and one of ``slices`` K slices of them, ``step`` bytes a row a step (``evict``: with an
     L2 evict-first policy instead of ``.cg``). Returns each (program, row)'s xor: their xor
-    equals the xor of ``words``, the check that every word was read."""
+    equals the xor of ``words``, the check that every word was read. Why the MoE cares (its
+    weights' L2 policy): notebooks/04_mxfp4_moe_port.ipynb."""
     _check_words(words)
     nbytes = words.numel() * 4
     for name, v in (("rows", rows), ("step", step), ("slices", slices)):
