@@ -62,37 +62,46 @@ def stream_read(words: torch.Tensor, *, programs: int | None = None, block: int 
 
 @triton.jit
 def _rows_read_kernel(src, out, ROWS: tl.constexpr, STEP: tl.constexpr, NSTEP: tl.constexpr,
-                      SLICES: tl.constexpr, ROW_BYTES: tl.constexpr, EVICT: tl.constexpr):
+                      SLICES: tl.constexpr, ROW_BYTES: tl.constexpr, EVICT: tl.constexpr,
+                      SPREAD: tl.constexpr):
     """Program p: ROWS rows of tile p // SLICES, K slice p % SLICES, STEP bytes a row a step;
-    writes each row's xor over its slice."""
+    writes each row's xor over its slice. SPREAD: a step's 16-byte pieces lie SPREAD pieces
+    apart, so SPREAD steps cover SPREAD x STEP contiguous bytes a row."""
     pid = tl.program_id(0)
     rows = (pid // SLICES) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, STEP // 4)
+    piece = (cols // 4) * (SPREAD * 4) + cols % 4      # words: piece t at t x SPREAD pieces
     base = src + rows[:, None].to(tl.int64) * (ROW_BYTES // 4) + (pid % SLICES) * (NSTEP * STEP // 4)
     acc = tl.zeros([ROWS, STEP // 4], tl.int32)
     for k in range(NSTEP):
+        at = (k // SPREAD) * (SPREAD * STEP // 4) + (k % SPREAD) * 4 + piece
         if EVICT:
-            acc ^= tl.load(base + k * (STEP // 4) + cols[None, :], eviction_policy="evict_first")
+            acc ^= tl.load(base + at[None, :], eviction_policy="evict_first")
         else:
-            acc ^= tl.load(base + k * (STEP // 4) + cols[None, :], cache_modifier=".cg")
+            acc ^= tl.load(base + at[None, :], cache_modifier=".cg")
     tl.store(out + pid * ROWS + tl.arange(0, ROWS), tl.xor_sum(acc, axis=1))
 
 
 def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slices: int = 1,
-              evict: bool = False, num_warps: int = 2) -> torch.Tensor:
+              evict: bool = False, spread: int = 1, num_warps: int = 2) -> torch.Tensor:
     """Read ``words`` (contiguous 1-D int32) as rows of ``row_bytes`` bytes: a program ``rows``
     rows and one of ``slices`` K slices of them, ``step`` bytes a row a step (``evict``: with an
-    L2 evict-first policy instead of ``.cg``). Returns each (program, row)'s xor: their xor
+    L2 evict-first policy instead of ``.cg``; ``spread``: a step's 16-byte pieces ``spread``
+    pieces apart, as a K order where a lane's loads over ``spread`` steps are contiguous).
+    Returns each (program, row)'s xor: their xor
     equals the xor of ``words``, the check that every word was read. Why the MoE cares (its
     weights' L2 policy): notebooks/04_mxfp4_moe_port.ipynb."""
     _check_words(words)
     nbytes = words.numel() * 4
-    for name, v in (("rows", rows), ("step", step), ("slices", slices)):
+    for name, v in (("rows", rows), ("step", step), ("slices", slices), ("spread", spread)):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
     if step < 4 or row_bytes % (slices * step):
         raise ValueError(f"row_bytes ({row_bytes}) must be a multiple of slices x step "
                          f"({slices} x {step}), step at least 4")
+    if spread > 1 and (step < 16 or (row_bytes // slices) % (spread * step)):
+        raise ValueError(f"spread {spread} needs a step of at least 16 bytes and slices of "
+                         f"row_bytes / slices ({row_bytes // slices}) a multiple of spread x step")
     if nbytes % (rows * row_bytes):
         raise ValueError(f"words ({nbytes} bytes) must hold whole tiles of {rows} rows of "
                          f"{row_bytes} bytes")
@@ -100,6 +109,7 @@ def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slic
     out = torch.empty(programs * rows, dtype=torch.int32, device=words.device)
     _rows_read_kernel[(programs,)](words, out, ROWS=rows, STEP=step,
                                    NSTEP=row_bytes // slices // step, SLICES=slices,
-                                   ROW_BYTES=row_bytes, EVICT=bool(evict), num_warps=num_warps,
+                                   ROW_BYTES=row_bytes, EVICT=bool(evict), SPREAD=spread,
+                                   num_warps=num_warps,
                                    num_stages=4)
     return out

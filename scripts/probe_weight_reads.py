@@ -11,6 +11,8 @@ dirty L2), with :func:`dsv4lab.kernels.stream_read.rows_read` and
 
 * the bytes a row a step (64, as the MoE; 256),
 * the loads' cache policy (``.cg``, as the MoE before session 12; L2 evict-first, ``EVICT``),
+* where a step's 16-byte pieces lie (``spread``: 1, contiguous as the MoE; 2 or 4 pieces apart,
+  a K order in which a lane's loads over 2 or 4 steps are contiguous),
 
 against :func:`dsv4lab.kernels.stream_read.stream_read` of the same 48 MB. Its printout is the
 reason for moe_mma2's ``EVICT`` (session 12); the recorded evidence is ``dsv4lab bench moe``
@@ -20,6 +22,13 @@ H200 printout at cacf1ed (the read kernel then lived here and ended on a sum, no
 us; gate/up rows alone, then with the down rows after them):
 stream_read 21.1; 64 B a step, ``.cg`` 28.6 / 39.3, evict-first 23.3 / 33.3; 256 B a step,
 ``.cg`` 22.9 / 34.0, evict-first 20.2 / 29.0.
+
+H200 printout at 192e46a (session 13, evict-first unless named): stream_read 20.9; 64 B a
+step, ``.cg`` 29.0 / 38.8, contiguous 23.6 / 33.5, pieces 2 apart 21.9 / 31.1, pieces 4 apart
+29.2 / 38.4; 256 B a step, ``.cg`` 23.0 / 34.0, evict-first 20.1 / 29.1. A warp instruction that
+asks for a row's whole 128-byte line (pieces 2 apart: half of each sector, the other half a
+step later) reads faster than one that asks for half of it (64 contiguous bytes); spread over
+two lines it is slower. The reason for moe_mma2's ``LINES`` K order.
 """
 from __future__ import annotations
 
@@ -44,14 +53,15 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; CUDA graph, dirty L2")
     us = lambda fn: bench.time_graph(fn)["ms"] * 1e3      # noqa: E731
     print(f"  stream_read, 48 MB                               {us(lambda: stream_read(gate_up)):6.1f} us")
-    for step in (64, 256):
-        for evict in (False, True):
-            tag = f"gate/up rows, {step:3d} B a row a step, {'evict-first' if evict else '.cg        '}"
-            gu = dict(row_bytes=2048, rows=64, step=step, slices=2, evict=evict)
-            dn = dict(row_bytes=1024, rows=32, step=step, slices=1, evict=evict)
-            one = us(lambda: rows_read(gate_up, **gu))
-            both = us(lambda: (rows_read(gate_up, **gu), rows_read(down, **dn)))
-            print(f"  {tag}  {one:6.1f} us; then the down rows: {both:6.1f} us")
+    for step, evict, spread in ((64, False, 1), (64, True, 1), (64, True, 2), (64, True, 4),
+                                (256, False, 1), (256, True, 1)):
+        tag = (f"gate/up rows, {step:3d} B a row a step, {'evict-first' if evict else '.cg        '}"
+               f", pieces {spread} apart")
+        gu = dict(row_bytes=2048, rows=64, step=step, slices=2, evict=evict, spread=spread)
+        dn = dict(row_bytes=1024, rows=32, step=step, slices=1, evict=evict, spread=spread)
+        one = us(lambda: rows_read(gate_up, **gu))
+        both = us(lambda: (rows_read(gate_up, **gu), rows_read(down, **dn)))
+        print(f"  {tag}  {one:6.1f} us; then the down rows: {both:6.1f} us")
     return 0
 
 

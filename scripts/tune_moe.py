@@ -276,6 +276,23 @@ CANDIDATES = [
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
            MAXNREG=152),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False),
+    # round 14 (session 13; the code is gone): the rings 8 K-steps deep. Printout at 192e46a,
+    # MXFP4 / NVFP4: the table's entry 43.9 / 46.8 us; the down tiles' ring 8 deep 45.6 / 54.2;
+    # every ring 8 deep (255 registers offline) 58.8 / 57.5, with the down ring 4 57.6 / 57.7.
+    # Round 15: the K order in whole 128-byte lines (LINES), then its splits and tile sizes
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           LINES=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           LINES=True),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           LINES=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=True,
+           LINES=True),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           LINES=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False,
+           LINES=True),
 ]
 
 

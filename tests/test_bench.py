@@ -176,17 +176,19 @@ def test_gap_table_pairs_the_states_of_one_commit():
 
 @settings(max_examples=8, deadline=None)
 @given(rows=st.sampled_from([1, 4]), step=st.sampled_from([16, 64]), slices=st.sampled_from([1, 2]),
-       tiles=st.sampled_from([1, 3]), evict=st.booleans())
-def test_rows_read_reads_every_word(rows, step, slices, tiles, evict):
+       tiles=st.sampled_from([1, 3]), evict=st.booleans(), spread=st.sampled_from([1, 2, 4]))
+def test_rows_read_reads_every_word(rows, step, slices, tiles, evict, spread):
     """scripts/probe_weight_reads.py's read: tiles of rows, K slices, a step of bytes a row a
-    step, either cache policy: the xors of (program, row) fold to the xor of all words."""
+    step, either cache policy, pieces spread or not: the xors of (program, row) fold to the
+    xor of all words."""
     from dsv4lab.benchmarks.l2 import _xor
     from dsv4lab.kernels.stream_read import rows_read
-    row_bytes = 2 * slices * step
+    row_bytes = 2 * slices * step * spread
     n = tiles * rows * row_bytes // 4
     words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
                           generator=torch.Generator().manual_seed(n)).to(runtime.device())
-    out = rows_read(words, row_bytes=row_bytes, rows=rows, step=step, slices=slices, evict=evict)
+    out = rows_read(words, row_bytes=row_bytes, rows=rows, step=step, slices=slices, evict=evict,
+                    spread=spread)
     assert out.shape == (tiles * slices * rows,)
     assert _xor(out) == _xor(words)
 
@@ -202,3 +204,5 @@ def test_rows_read_refuses_bad_input():
         rows_read(w, row_bytes=64, rows=1, step=64, slices=2)
     with pytest.raises(ValueError, match="whole tiles of 8 rows of 64 bytes"):
         rows_read(w, row_bytes=64, rows=8, step=16)
+    with pytest.raises(ValueError, match="spread 4 needs"):
+        rows_read(w, row_bytes=64, rows=1, step=32, spread=4)
