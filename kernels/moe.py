@@ -885,12 +885,12 @@ def _moe_xpre_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr,
 
 @triton.jit
 def _moe_xpre_zero_kernel(x_ptr, xk_ptr, zero_ptr, n_zero, HP, stride_x, stride_xk,
-                          BH: tl.constexpr, PDL: tl.constexpr = False, LINES: tl.constexpr = False):
+                          BH: tl.constexpr, PDL: tl.constexpr = False):
     """:func:`_moe_xpre_kernel` (SEG order) that also zeroes ``n_zero`` int32 at ``zero_ptr``
     (program (0, 0)): the one-launch decode's x copy and its counters in one launch instead of
     a copy and a fill. ``PDL``: the decode that reads both is a programmatic dependent launch
     of this one (kernels/moe_mma2.py), which may be scheduled as soon as every program here
-    has started. ``LINES``: moe_mma2's LINES K order (see :func:`_xpre_body`)."""
+    has started."""
     if PDL:
         gdc_launch_dependents()
     pb = tl.program_id(1)
@@ -899,24 +899,16 @@ def _moe_xpre_zero_kernel(x_ptr, xk_ptr, zero_ptr, n_zero, HP, stride_x, stride_
         offs = tl.arange(0, BH)
         for z0 in range(0, n_zero, BH):
             tl.store(zero_ptr + z0 + offs, 0, mask=z0 + offs < n_zero)
-    _xpre_body(x_ptr, xk_ptr, t.to(tl.int64), pb, HP, stride_x, stride_xk, BH, 2, True, LINES)
+    _xpre_body(x_ptr, xk_ptr, t.to(tl.int64), pb, HP, stride_x, stride_xk, BH, 2, True)
 
 
 @triton.jit
 def _xpre_body(x_ptr, xk_ptr, t, pb, HP, stride_x, stride_xk, BH: tl.constexpr,
-               PLANES: tl.constexpr = 2, SEG: tl.constexpr = False, LINES: tl.constexpr = False):
-    """Row t of x (elements 2b, 2b + 1 of weight byte b: offs) times 2**-8 in fp16. SEG: per
-    128-element segment (64 weight bytes) the 64 even elements, then the 64 odd ones, as
-    kernels/moe_mma2.py reads them; LINES: its LINES K order, segment 2j + h holding bytes
-    32 t + 16 h .. 32 t + 16 h + 15 (t < 4) of 128-byte line j (moe_mma2._seg_order)."""
+               PLANES: tl.constexpr = 2, SEG: tl.constexpr = False):
     offs = pb * BH + tl.arange(0, BH)
     m = offs < HP
     src = x_ptr + t * stride_x + PLANES * offs
-    if SEG and LINES:
-        seg = (offs // 128) * 2 + (offs % 32) // 16
-        dst = xk_ptr + t * stride_xk + seg * 128 + ((offs % 128) // 32) * 16 + offs % 16
-        plane = 64
-    elif SEG:
+    if SEG:
         dst = xk_ptr + t * stride_xk + (offs // 64) * 128 + offs % 64
         plane = 64
     else:
@@ -1088,13 +1080,7 @@ _MMA2_T1_SMEM = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, ST
 # (variant mma2_noevict_t1) in the same run.
 _MMA2_T1_REGS = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, STAGES=3, NSPS=2,
                      num_warps=2, REGS=None)
-# Session 13: the ring's K order in whole 128-byte lines (moe_mma2 LINES; None: wherever REGS
-# runs and the K slices hold an even number of steps): a warp's load asks for its rows' whole
-# lines, half of each sector, the other half a step later, where it asked for 64 contiguous
-# bytes (scripts/probe_weight_reads.py, H200 printout at 192e46a: 31.1 against 33.5 us for the
-# T = 1 layout's 72 MB; the entry before is variant mma2_nolines_t1).
-_MMA2_T1_EVICT = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False)
-_MMA2_T1 = dict(_MMA2_T1_EVICT, LINES=None)
+_MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False)
 CONFIGS = [
     (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8
     (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64

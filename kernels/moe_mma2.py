@@ -132,6 +132,12 @@ slower (tune_moe round 13, printouts): 16 rows a warp (BN1 8, one warp a tile, 3
 tiles; 83 registers): 56.3-69.8 us against 47.1. Where it stands: a read-only kernel of 75 MB
 reaches 0.63 of the roofline by the same method (`dsv4lab bench l2`, rows at bea1bb9), so 0.5
 at T = 1 (80 MB in two dependent phases) asks for 80% of a plain read's speed.
+Measured slower (session 13, code removed): the rings 8 K-steps deep (the down tiles' only:
+45.6 against 43.9 us; every ring: 255 registers, 58.8; tune_moe round 14, printouts); and
+``LINES``, a K order in which a warp's load asks for its rows' whole 128-byte lines (lane t
+16 bytes at byte 32 t, the other half of each sector a step later), which a read-only probe
+had read faster (scripts/probe_weight_reads.py: 31.1 against 33.5 us): `dsv4lab bench moe`
+rows at 088d083, MXFP4 45.0 against 44.5 us, NVFP4 52.4 against 46.8.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -515,27 +521,16 @@ def _decode_words(wd, mult, BN: gl.constexpr, NS: gl.constexpr, GS: gl.constexpr
 
 
 @gluon.jit
-def _load_step(w_rows, s_rows, k, C: gl.constexpr, last, cw, t4, si, NSC: gl.constexpr,
-               NS: gl.constexpr, EVICT: gl.constexpr = False, LINES: gl.constexpr = False):
-    """REGS: K-step k + C's weight words [BN, 16] (lane t's 16 bytes of a row, one 16-byte
-    load) and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers; k is
-    even, and a step past ``last`` loads the last one again. Unmasked: the fused launch's row
-    tiles divide the matrix. ``LINES``: steps 2j and 2j + 1 share the row's 128-byte line j,
-    lane t reading its bytes 32 t .. 32 t + 15, then 32 t + 16 .. 32 t + 31 (``cw`` and ``t4``
-    from :func:`_ring_addrs` already spaced for it); otherwise step k reads bytes
-    64 k .. 64 k + 63, lane t 16 of them."""
+def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexpr,
+               EVICT: gl.constexpr = False):
+    """REGS: K-step k's weight words [BN, 16] (lane t's 16 bytes of a row, one 16-byte load)
+    and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers. Unmasked:
+    the fused launch's row tiles divide the matrix, and k is clamped by the caller."""
     CACHE: gl.constexpr = _load_hints(EVICT)[0]
     POLICY: gl.constexpr = _load_hints(EVICT)[1]
-    if LINES:   # offsets grow with the step, so the clamp is a minimum of offsets; k even
-        wk = gl.minimum((k // 2 + C // 2) * (SEG_BYTES // 2) + (C % 2) * 4,
-                        (last // 2) * (SEG_BYTES // 2) + (last % 2) * 4)
-        sk = gl.minimum((k // 2 + C // 2) * (2 * NSC) + (C % 2) * NS,
-                        (last // 2) * (2 * NSC) + (last % 2) * NS)
-    else:
-        wk = gl.minimum(k + C, last) * (SEG_BYTES // 4)
-        sk = gl.minimum(k + C, last) * NSC
-    p = gl.load(w_rows[:, None] + (wk + cw)[None, :], cache_modifier=CACHE, eviction_policy=POLICY)
-    sb = gl.load(s_rows[:, None, None] + sk + t4[None, :, None] * NS + si[None, None, :],
+    p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=CACHE,
+                eviction_policy=POLICY)
+    sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
                  cache_modifier=CACHE, eviction_policy=POLICY)
     return p, sb
 
@@ -577,11 +572,9 @@ def _regs_layouts(BN, W, IS_NV):
 
 
 @gluon.jit
-def _ring_addrs(w, s, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                LINES: gl.constexpr = False):
+def _ring_addrs(w, s, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
     """REGS: the rows' first weight words and scale bytes and the lane offsets of a K-step's
-    loads (:func:`_load_step`), from the rows' first bytes ``w`` and ``s``; ``LINES``: lane t's
-    16 bytes 32 t bytes into the line (its scale blocks twice as far apart)."""
+    loads (:func:`_load_step`), from the rows' first bytes ``w`` and ``s``."""
     CPW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[0]
     WW: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[1]
     RL: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[2]
@@ -591,29 +584,26 @@ def _ring_addrs(w, s, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.const
     s_rows = gl.convert_layout(s, RL)
     cw = gl.arange(0, SEG_BYTES // 4, layout=gl.SliceLayout(0, CPW))
     t4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, SL)))
-    if LINES:
-        cw = (cw // 4) * 8 + cw % 4
-        t4 = t4 * 2
     si = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(1, SL)))
     return w_rows, s_rows, cw, t4, si
 
 
 @gluon.jit
 def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                num_warps: gl.constexpr, EVICT: gl.constexpr = False, LINES: gl.constexpr = False):
+                num_warps: gl.constexpr, EVICT: gl.constexpr = False):
     """REGS: the loads of a slice's first RING K-steps (see :func:`_k_loop_regs`), issued on
     their own so that a down tile can request its first weight bytes before it waits for its
     activations (``EARLY``). For RING 2 the last two of the eight results repeat the first two
     (unused)."""
     NS: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[3]
     NSC: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[4]
-    w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps, LINES)
+    w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps)
     last = nseg - 1
-    pa, sa = _load_step(w_rows, s_rows, 0, 0, last, cw, t4, si, NSC, NS, EVICT, LINES)
-    pb, sb = _load_step(w_rows, s_rows, 0, 1, last, cw, t4, si, NSC, NS, EVICT, LINES)
+    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT)
+    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT)
     if RING == 4:
-        pc, sc = _load_step(w_rows, s_rows, 0, 2, last, cw, t4, si, NSC, NS, EVICT, LINES)
-        pd, sd = _load_step(w_rows, s_rows, 0, 3, last, cw, t4, si, NSC, NS, EVICT, LINES)
+        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS, EVICT)
+        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS, EVICT)
     else:
         pc, sc, pd, sd = pa, sa, pb, sb
     return pa, sa, pb, sb, pc, sc, pd, sd
@@ -622,8 +612,7 @@ def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.cons
 @gluon.jit
 def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg,
                  IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                 num_warps: gl.constexpr, EVICT: gl.constexpr = False,
-                 LINES: gl.constexpr = False):
+                 num_warps: gl.constexpr, EVICT: gl.constexpr = False):
     """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
     decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
@@ -643,7 +632,7 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     NS: gl.constexpr = _regs_layouts(BN, W, IS_NV)[3]
     NSC: gl.constexpr = _regs_layouts(BN, W, IS_NV)[4]
     CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
-    w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps, LINES)
+    w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps)
     smax = gl.convert_layout(smax, RL)
     xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
     xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))[:, None]
@@ -653,32 +642,26 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     if RING == 2:
         for k in range(0, nseg, 2):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, k, 2, last, cw, t4, si, NSC, NS, EVICT, LINES)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pb, sb = _load_step(w_rows, s_rows, k, 3, last, cw, t4, si, NSC, NS, EVICT, LINES)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT)
     else:
         for k in range(0, nseg, 4):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, k, 4, last, cw, t4, si, NSC, NS, EVICT, LINES)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pb, sb = _load_step(w_rows, s_rows, k, 5, last, cw, t4, si, NSC, NS, EVICT, LINES)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pc, sc = _load_step(w_rows, s_rows, k, 6, last, cw, t4, si, NSC, NS, EVICT, LINES)
+            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pd, sd = _load_step(w_rows, s_rows, k, 7, last, cw, t4, si, NSC, NS, EVICT, LINES)
+            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS, EVICT)
     return acc
 
 
 @gluon.jit
-def _seg_order(n, LINES: gl.constexpr = False):
+def _seg_order(n):
     """Column n of an activation row -> its place in sigma's order (per 128-element segment,
-    the 64 even columns, then the 64 odd ones). ``LINES``: the K order of :func:`_load_step`,
-    where segment 2j + h holds the weight bytes 32 t + 16 h .. 32 t + 16 h + 15 (t < 4) of the
-    row's 128-byte line j: column n is weight byte b = n // 2 of the row."""
-    if LINES:
-        b = n // 2
-        seg = (b // 128) * 2 + (b % 32) // 16
-        return seg * 128 + (n % 2) * 64 + ((b % 128) // 32) * 16 + b % 16
+    the 64 even columns, then the 64 odd ones)."""
     return (n // 128) * 128 + (n % 2) * 64 + (n % 128) // 2
 
 
@@ -881,10 +864,10 @@ def _pair_tile(ptr, row, stride, offs_n, m):
 
 @gluon.jit
 def _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit,
-               HAS_LIMIT: gl.constexpr, LINES: gl.constexpr = False):
+               HAS_LIMIT: gl.constexpr):
     """act[p] = the SwiGLU of token column ``col`` of gate and up, in sigma's order, fp16
     times 2**-8 (as the down tiles read it)."""
-    gl.store(_pair_tile(act_ptr, p, stride_act, _seg_order(offs_n, LINES), m),
+    gl.store(_pair_tile(act_ptr, p, stride_act, _seg_order(offs_n), m),
              (_swiglu(gate, up, swiglu_limit, HAS_LIMIT) * 0.00390625).to(gl.float16),
              mask=col[None, :])
 
@@ -900,7 +883,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, LINES: gl.constexpr = False):
+                   EARLY: gl.constexpr = True):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -926,9 +909,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`. ``LINES`` (REGS): the K order in which two
-    K-steps share each row's 128-byte lines (:func:`_load_step`; x's copy and act in that
-    order, :func:`_seg_order`)."""
+    ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -968,10 +949,10 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                                        nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
                                        IS_NV, 2 * BN1, num_warps)
                 pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
-                                                              num_warps, EVICT, LINES)
+                                                              num_warps, EVICT)
                 _stamp(stamps_ptr, tile, 2, num_warps)
                 acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
-                                   nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT, LINES)
+                                   nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
                 _stamp(stamps_ptr, tile, 3, num_warps)
                 acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
                 # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
@@ -999,8 +980,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 gl.store(part, gate, mask=col[None, :])
                 gl.store(part + I, up, mask=col[None, :])
             else:
-                _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT,
-                           LINES)
+                _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         last = True
         if SPLIT1 > 1:
             gl.thread_barrier()
@@ -1012,8 +992,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                     part = _pair_tile(part_ptr, q * P + p, stride_part, offs_n, m)
                     gate += gl.load(part, mask=col[None, :], other=0.0, cache_modifier=".cg")
                     up += gl.load(part + I, mask=col[None, :], other=0.0, cache_modifier=".cg")
-                _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT,
-                           LINES)
+                _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         if last:
             gl.thread_barrier()                   # every thread's act stores, then one release
             gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
@@ -1033,7 +1012,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                                                 num_warps, ACC_SCALE)
             if REGS and EARLY:    # the ring's first weight bytes requested before the wait
                 pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
-                                                             num_warps, EVICT, LINES)
+                                                             num_warps, EVICT)
             if PREFETCH:
                 _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
             _wait_count(ctr_ptr + 1 + p, n_tiles1)
@@ -1045,9 +1024,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             if REGS:
                 if not EARLY:
                     pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
-                                                                 num_warps, EVICT, LINES)
+                                                                 num_warps, EVICT)
                 acc = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask, nseg2,
-                                   IS_NV, BN2, REGS, num_warps, EVICT, LINES)
+                                   IS_NV, BN2, REGS, num_warps, EVICT)
             else:
                 acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                       IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
@@ -1071,8 +1050,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 
 
 LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG", "EVICT", "EARLY",
-               "LINES")
+               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG", "EVICT", "EARLY")
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1095,7 +1073,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, LINES=False):
+              EVICT=False, EARLY=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1118,9 +1096,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
-    ``LINES`` (REGS only): the K order in which a warp's load asks for whole 128-byte lines of
-    its rows, two K-steps reading each line (:func:`_load_step`); the K slices must then hold
-    an even number of 64-byte steps. None: on wherever REGS is and they do.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1136,9 +1111,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if EVICT and REGS == 0:
         raise ValueError("moe_mma2: EVICT applies to REGS's loads (cp.async takes no L2 policy "
                          "here); give REGS 2 or 4, or None where it resolves to them")
-    if LINES and REGS == 0:
-        raise ValueError(f"moe_mma2: LINES is the register ring's K order: give REGS 2 or 4 and "
-                         f"FUSED with at most {int(BM)} tokens")
     why = supported(x, H, I, (w13, w13_scale, w2, w2_scale))
     if why is not None:
         raise ValueError(f"moe_mma2: {why}")
@@ -1185,16 +1157,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     nsps2 = base._pick_split(I // 128, NSPS if NSPS2 is None else NSPS2)
     split1 = base._pick_split(H // 128 // nsps1, SPLIT1)
     split2 = base._pick_split(I // 128 // nsps2, SPLIT2)
-    fused = FUSED and T <= int(BM)
-    even = (H // 128 // split1) % 2 == 0 and (I // 128 // split2) % 2 == 0
-    if LINES is None:     # whole lines where the register ring runs and the slices allow it
-        LINES = bool(REGS) and fused and even
-    if LINES and not (REGS and fused):
-        raise ValueError("moe_mma2: LINES is the register ring's K order: give REGS 2 or 4 and "
-                         f"FUSED with at most {int(BM)} tokens")
-    if LINES and not even:
-        raise ValueError(f"moe_mma2: LINES needs K slices of an even number of 64-byte steps; "
-                         f"got {H // 128 // split1} (gate/up) and {I // 128 // split2} (down)")
     xp = torch.empty(T, H, dtype=torch.float16, device=dev)     # x in sigma's order (P > 0: T > 0)
     BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
     if FUSED and T <= int(BM):
@@ -1207,11 +1169,11 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
-            LINES=bool(LINES), num_warps=4)
+            num_warps=4)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), bool(LINES))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1251,7 +1213,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, lines=False):
+                  evict=False, early=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1280,7 +1242,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
-        LINES=lines, launch_pdl=pdl,
+        launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

@@ -279,20 +279,13 @@ CANDIDATES = [
     # round 14 (session 13; the code is gone): the rings 8 K-steps deep. Printout at 192e46a,
     # MXFP4 / NVFP4: the table's entry 43.9 / 46.8 us; the down tiles' ring 8 deep 45.6 / 54.2;
     # every ring 8 deep (255 registers offline) 58.8 / 57.5, with the down ring 4 57.6 / 57.7.
-    # Round 15: the K order in whole 128-byte lines (LINES), then its splits and tile sizes
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           LINES=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           LINES=True),
-    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           LINES=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=True,
-           LINES=True),
-    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           LINES=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False,
-           LINES=True),
+    # Round 15 (session 13; the code is gone): LINES, a K order in which a warp's load asks for
+    # its rows' whole 128-byte lines (lane t at byte 32 t, the sector's other half a step
+    # later), after scripts/probe_weight_reads.py had read that way faster. Printout at 088d083:
+    # the entry 43.9 / 46.9 us; with LINES 45.0 / 52.1; its split 2 / 2 47.3 / 53.4, split 4 / 1
+    # 48.1 / 55.8, BN2 64 49.6 / 58.6, REGS 2 50.4 / 54.0; with the L2 prefetch 45.9 / 47.3.
+    # `dsv4lab bench moe` rows at 088d083 (LINES the default): MXFP4 45.0 us against 44.5,
+    # NVFP4 52.4 against 46.8 (variant mma2_nolines_t1, the entry without it)
 ]
 
 

@@ -976,8 +976,6 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
         with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
-        with pytest.raises(ValueError, match="LINES is the register ring's K order"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, LINES=True)
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -989,29 +987,6 @@ def test_xpre_seg_order(H):
     kmoe._moe_xpre_kernel[(3, 1)](x, xk, H // 2, x.stride(0), xk.stride(0), BH=256, PLANES=2, SEG=True)
     want = (x * 2.0 ** -8).view(3, H // 128, 64, 2).transpose(2, 3).reshape(3, H).to(torch.float16)
     assert torch.equal(xk, want)
-
-
-@pytest.mark.parametrize("H", [256, 768])
-def test_xpre_lines_order(H):
-    # moe_mma2's LINES K order: segment 2j + h of x's copy holds, for t < 4 and u < 16, weight
-    # byte 128 j + 32 t + 16 h + u of the row (x's elements 2 b, the 64 even places, and
-    # 2 b + 1, the 64 odd ones, at 16 t + u); the activations' place (_seg_order) agrees
-    from dsv4lab.kernels import moe as kmoe
-    from dsv4lab.kernels import moe_mma2
-    x = torch.randn(3, H)
-    xk = torch.empty(3, H, dtype=torch.float16)
-    ctr = torch.zeros(1, dtype=torch.int32)
-    kmoe._moe_xpre_zero_kernel[(3, 1)](x, xk, ctr, 1, H // 2, x.stride(0), xk.stride(0), BH=512,
-                                       LINES=True)
-    want = ((x * 2.0 ** -8).view(3, H // 256, 4, 2, 16, 2).permute(0, 1, 3, 5, 2, 4)
-            .reshape(3, H).to(torch.float16))
-    assert torch.equal(xk, want)
-    n = torch.arange(H)
-    place = moe_mma2._seg_order.fn(n, True)
-    assert torch.equal(torch.sort(place).values, n)                 # a permutation
-    assert torch.equal(xk[:, place], (x * 2.0 ** -8).to(torch.float16))
-    assert torch.equal(moe_mma2._seg_order.fn(n, False),             # SEG order, as before
-                       (n // 128) * 128 + (n % 2) * 64 + (n % 128) // 2)
 
 
 @pytest.mark.parametrize("H,n_zero", [(128, 1), (384, 700)])
@@ -1093,10 +1068,6 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
                                     EARLY=False),
                                dict(BN1=8, BN2=16, SPLIT1=2, num_warps=1, REGS=4),
-                               dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
-                                    LINES=True),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2,
-                                    LINES=None),
                                dict(BN1=64, BN2=32, num_warps=2, STAGES=2, NSPS=2)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
@@ -1119,11 +1090,6 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
         with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
             run()
         return
-    if launch.get("LINES") and T > 8:
-        # the register ring's K order: the grouped path (more than 8 tokens) has no ring
-        with pytest.raises(ValueError, match="LINES is the register ring's K order"):
-            run()
-        return
     if launch.get("BN1", 64) < 16 * launch.get("num_warps", 4) and T > 8:
         # half-height gate/up tiles are REGS's fused launch's; the grouped path refuses them
         with pytest.raises(ValueError, match="BN1 must be a power of two >= 16"):
@@ -1136,23 +1102,6 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     if "REGS" in launch and T <= 8 and torch.cuda.get_device_capability() >= (8, 9):
         # an L2 policy changes no bits
         assert torch.equal(run(EVICT=not launch.get("EVICT", False)), out)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="REGS's decode needs sm_89+")
-def test_gpu_mma2_lines_refuses_odd_slices():
-    # LINES reads a 128-byte line over two K-steps: a K slice of one 64-byte step is refused
-    # before any launch (H 512 in four slices), and None then leaves it off
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(1, 4, 2, 512, 512, "mxfp4", None, "random", 1)
-    launch = dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, num_warps=2, REGS=4)
-    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-    with pytest.raises(ValueError, match="LINES needs K slices of an even number"):
-        moe_mma2.fused_moe(*args, fmt="mxfp4", **kw, **launch, LINES=True)
-    assert_close(moe_mma2.fused_moe(*args, fmt="mxfp4", **kw, **launch, LINES=None), ref,
-                 torch.bfloat16)
 
 
 @gpu
