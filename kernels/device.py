@@ -24,3 +24,29 @@ def pdl_ok(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+# The Triton releases whose Gluon API kernels/moe_mma2.py and kernels/sparse_mla_ws.py are
+# written for and measured with. Gluon is experimental and moves between releases: Triton 3.9
+# removed async_copy_global_to_shared (sparse_mla_ws's ring) and thread_barrier.
+GLUON_TRITON = ((3, 6),)
+
+
+def gluon_unsupported(version: str | None = None) -> str | None:
+    """None if the installed Triton (or ``version``) is one the Gluon kernels are written for
+    (GLUON_TRITON), else why not; asked before those modules are imported, so that any other
+    Triton falls back to the Triton kernels instead of failing to import or compile.
+    ``DSV4LAB_GLUON_ANY_TRITON=1`` lets them try any release (to validate a new one with the
+    GPU tests). Explained in notebooks/02_mma_attention.ipynb."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    try:
+        major_minor = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        major_minor = ()
+    if major_minor in GLUON_TRITON or os.environ.get("DSV4LAB_GLUON_ANY_TRITON", "0") == "1":
+        return None
+    tested = ", ".join(f"{a}.{b}" for a, b in GLUON_TRITON)
+    return (f"the Gluon kernels are written for Triton {tested}'s Gluon API (found Triton "
+            f"{version}); set DSV4LAB_GLUON_ANY_TRITON=1 to try them")

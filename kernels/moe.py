@@ -127,6 +127,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from dsv4lab.kernels.device import gluon_unsupported
 from dsv4lab.kernels.moe_align import (_align_body, align_buffers, align_kernel_fits, block_rows, moe_align,
                                        num_blocks_max)
 
@@ -1089,6 +1090,11 @@ CONFIGS = [
                             num_warps=4, num_stages=3) for f in ("mxfp4", "nvfp4")}),
 ]
 
+# moe_mma2.fused_moe's launch keywords, a config's MMA2 entry (checked here, where Gluon may
+# not be importable)
+MMA2_LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2",
+                    "num_warps", "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG",
+                    "EVICT", "EARLY")
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
                "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "MMA2",
                "num_warps", "num_stages")
@@ -1154,16 +1160,19 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         raise ValueError(f"config: unknown keys {sorted(unknown)}; expected some of {CONFIG_KEYS}")
     mma2 = cfg.get("MMA2")
     if mma2 is not None:
-        from dsv4lab.kernels import moe_mma2
-        keys = moe_mma2.LAUNCH_KEYS + ("MAX_T",)
+        keys = MMA2_LAUNCH_KEYS + ("MAX_T",)
         if not isinstance(mma2, dict) or set(mma2) - set(keys):
             raise ValueError(f"config: MMA2 must be None or a dict of {keys}, got {mma2!r}")
         launch = {k: v for k, v in mma2.items() if k != "MAX_T"}
         fits = T <= mma2.get("MAX_T", T)       # MAX_T: more tokens run the row's Triton entries
-        if fits and moe_mma2.supported(x, H, I, (w13, w13_scale, w2, w2_scale)) is None:  # else: Triton
-            return moe_mma2.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
-                                      fmt=fmt, w13_global=w13_global, w2_global=w2_global,
-                                      swiglu_limit=swiglu_limit, **launch)
+        # else the Triton kernels: not a Gluon this code is written for (asked before the
+        # import, which needs Gluon), or not a GPU those kernels run on
+        if fits and gluon_unsupported() is None:
+            from dsv4lab.kernels import moe_mma2
+            if moe_mma2.supported(x, H, I, (w13, w13_scale, w2, w2_scale)) is None:
+                return moe_mma2.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                          fmt=fmt, w13_global=w13_global, w2_global=w2_global,
+                                          swiglu_limit=swiglu_limit, **launch)
     BM, use_dot = int(cfg["BM"]), bool(cfg["USE_DOT"])
     if use_dot and BM < 16:
         raise ValueError(f"config: USE_DOT needs BM >= 16 (tl.dot's smallest M), got BM={BM}")

@@ -149,7 +149,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from dsv4lab.kernels.device import pdl_ok
+from dsv4lab.kernels.device import gluon_unsupported, pdl_ok
+from dsv4lab.kernels.gluon_compat import cta_barrier
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
@@ -983,7 +984,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                 _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         last = True
         if SPLIT1 > 1:
-            gl.thread_barrier()
+            cta_barrier()
             last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == SPLIT1 - 1
             if last & (e >= 0):                 # the row tile's last slice: sum in slice order
                 gate = gl.zeros([BN1, BM], gl.float32, layout=MMA)
@@ -994,7 +995,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                     up += gl.load(part + I, mask=col[None, :], other=0.0, cache_modifier=".cg")
                 _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         if last:
-            gl.thread_barrier()                   # every thread's act stores, then one release
+            cta_barrier()                   # every thread's act stores, then one release
             gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
         _stamp(stamps_ptr, tile, 4, num_warps)
     else:
@@ -1034,7 +1035,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
             gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_h, m), y, mask=col[None, :])
-        gl.thread_barrier()
+        cta_barrier()
         done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
         if done == P * SPLIT2 - 1:                # the last of this row tile's down tiles
             total = gl.zeros([BN2, BM], gl.float32, layout=MMA)
@@ -1049,15 +1050,14 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         _stamp(stamps_ptr, tile, 4, num_warps)
 
 
-LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2", "num_warps",
-               "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG", "EVICT", "EARLY")
-
-
 def supported(x, H: int, I: int, tensors=()) -> str | None:
     """None if these kernels run here, else why not (a capability check, no launch).
     ``tensors``: the weights and scales, whose storage must be 16-byte aligned."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "Gluon kernels do not run in Triton's interpreter"
+    why = gluon_unsupported()
+    if why is not None:
+        return why
     if x.device.type != "cuda":
         return "needs a CUDA GPU"
     if torch.cuda.get_device_capability(x.device) < (8, 0):

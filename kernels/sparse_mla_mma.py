@@ -91,7 +91,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4lab.kernels.device import pdl_ok, sm_count
+from dsv4lab.kernels.device import gluon_unsupported, pdl_ok, sm_count
 
 LOG2E = 1.4426950408889634
 FP8_ROW_BYTES = 584      # 448 e4m3 + 64 bf16 + 7 ue8m0 scales + 1 pad
@@ -901,7 +901,9 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
         tune_key = _bucket(n_prog * splits) * 32 + _bucket(split_rows)
         config = _pick_config(dev, block_h, (block_h, D, d_v, fp8, split, str(q.dtype), tune_key),
                               launch, tune)
-    if config.ws and block_h == 64:
+    # the warp-specialised kernel (Gluon) where this Triton's Gluon is the one it is written for
+    # (asked before the import) and the GPU and shapes suit it; else the kernel here
+    if config.ws and block_h == 64 and gluon_unsupported() is None:
         from dsv4lab.kernels import sparse_mla_ws
         if sparse_mla_ws.supported(q, kv, fp8, d_v, config.block_n, config.num_stages, config.seesaw):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,

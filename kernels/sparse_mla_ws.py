@@ -116,6 +116,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
+from dsv4lab.kernels.device import gluon_unsupported
+from dsv4lab.kernels.gluon_compat import cta_barrier
+
 HEADS = gl.constexpr(64)
 DIM = gl.constexpr(512)
 HALF = gl.constexpr(256)      # the columns of D (and d_v) one consumer owns
@@ -279,7 +282,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
             # first of the pair at this half: ship it and signal; the other program writes
             _store_partial(opart_ptr, prow, h, c, o, W)
             gl.store(lpart_ptr + 2 * prow + W * HEADS + h, lse2)   # [query, split, half, head]
-            gl.thread_barrier()
+            cta_barrier()
             gl.atomic_add(q_cnt + 2 + W, gl.full([128], 1, gl.int32, one), mask=lead,
                           sem="release", scope="gpu")
         else:
@@ -294,7 +297,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, c
                                   sem="acquire", scope="gpu")
                 seen = gl.max(gl.where(lead, v, 0), axis=0)
                 spins += 1
-            gl.thread_barrier()
+            cta_barrier()
             sp = prow // HEADS - 2 * (orow // HEADS)
             other = prow + (1 - 2 * sp) * HEADS
             o2 = gl.load(opart_ptr + (other + h)[:, None] * DIM + c[None, :], cache_modifier=".cg")
@@ -414,7 +417,7 @@ def _publish(tile_ready):
     """The producer's plain shared-memory stores of a tile made visible to the consumers'
     wgmma (the async proxy), then the tile signalled once every producer thread is done."""
     fence_async_shared()
-    gl.thread_barrier()
+    cta_barrier()
     mbarrier.arrive(tile_ready, count=1)
 
 
@@ -447,7 +450,7 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
         sw_next = _scale_words(kv_ptr, idx)
         idx = _slots(idx_row, start, end, i + 2, BLOCK_N, rows_l)                # tile i + 2
         async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
-        gl.thread_barrier()                       # every thread's copies, not just its own
+        cta_barrier()                       # every thread's copies, not just its own
         slot = i % STAGES
         buf = i % NUM_BUF
         mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
@@ -505,12 +508,12 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         if S_BUFS == 1:
             mbarrier.wait(s_free.index(W), (i & 1) ^ 1)
         s_smem.index(sb).store(s)
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(s_ready.index(sb), count=1)
         mbarrier.wait(s_ready.index(ob), (i // S_BUFS) & 1)
         s = (s + s_smem.index(ob).load(s_layout)) * qk_scale
         if S_BUFS == 1:
-            gl.thread_barrier()
+            cta_barrier()
             mbarrier.arrive(s_free.index(1 - W), count=1)
         s = gl.where(valid[None, :], s, float("-inf"))
 
@@ -603,7 +606,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         p_smem.index(mine).store(p)
         m_smem.index(mine).store(m_i)
         m_smem.index(4 + mine).store(rsum)
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(p_ready.index(mine), count=1)
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1), acc,
                             is_async=True)
@@ -615,7 +618,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         p_o = p_smem.index(theirs).load(s_layout).to(gl.float32)
         m_o = m_smem.index(theirs).load(row_l)
         rsum_o = m_smem.index(4 + theirs).load(row_l)
-        gl.thread_barrier()
+        cta_barrier()
         mbarrier.arrive(p_free.index(theirs), count=1)
         m_new = gl.maximum(m_i, m_o)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -793,6 +796,8 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     copied as is into the bf16 tile) in 32-row tiles, the staging beside at most three
     ring buffers (a fourth would need 246 KB of the 227)."""
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if gluon_unsupported() is not None:       # Gluon moved (kernels/device.py GLUON_TRITON)
         return False
     if torch.cuda.get_device_capability(q.device)[0] not in (9, 10):
         return False

@@ -106,3 +106,30 @@ def test_versions_has_every_provenance_field():
     assert v["torch"] == torch.__version__
     assert v["interpreter"] == runtime.is_interpreter()
     assert v["triton"]
+
+
+def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
+    # the Gluon kernels (moe_mma2, sparse_mla_ws) follow one release's Gluon API: any other
+    # Triton falls back to the Triton kernels with a reason, unless the user opts in
+    from dsv4lab.kernels.device import GLUON_TRITON, gluon_unsupported
+    monkeypatch.delenv("DSV4LAB_GLUON_ANY_TRITON", raising=False)
+    major, minor = GLUON_TRITON[0]
+    assert gluon_unsupported(f"{major}.{minor}.1") is None
+    why = gluon_unsupported("3.9.0")
+    assert "written for Triton 3.6" in why and "found Triton 3.9.0" in why
+    assert "DSV4LAB_GLUON_ANY_TRITON=1" in why
+    assert gluon_unsupported("3.10.0") is not None and gluon_unsupported("nightly") is not None
+    monkeypatch.setenv("DSV4LAB_GLUON_ANY_TRITON", "1")
+    assert gluon_unsupported("3.9.0") is None
+
+
+def test_moe_mma2_launch_keys_are_its_keywords():
+    # a config's MMA2 entry is checked in kernels/moe.py against this list, which has to stay
+    # moe_mma2.fused_moe's launch keywords
+    import inspect
+
+    from dsv4lab.kernels import moe, moe_mma2
+    params = inspect.signature(moe_mma2.fused_moe).parameters
+    launch = {n for n, p in params.items()
+              if p.kind is p.KEYWORD_ONLY and (n.isupper() or n == "num_warps")}
+    assert set(moe.MMA2_LAUNCH_KEYS) == launch
