@@ -142,6 +142,10 @@ def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config")
             for n in per_sm.unique().tolist():
                 figures[f"{phase}: loop median, {n} an SM"].append(us(loop[per_sm == n].median()))
             q = torch.tensor([0.1, 0.5, 0.9, 1.0], dtype=torch.float64)
+            figures[f"{phase}: program start p10/p50/p90/max"].append(
+                [round(us(v - t0), 1) for v in torch.quantile(a[:, 0], q)])
+            figures[f"{phase}: loop start p10/p50/p90/max"].append(
+                [round(us(v - t0), 1) for v in torch.quantile(a[:, 2], q)])
             figures[f"{phase}: loop end p10/p50/p90/max"].append(
                 [round(us(v - t0), 1) for v in torch.quantile(a[:, 3], q)])
         span = float(end(st).max() - t0)
