@@ -286,6 +286,16 @@ CANDIDATES = [
     # 48.1 / 55.8, BN2 64 49.6 / 58.6, REGS 2 50.4 / 54.0; with the L2 prefetch 45.9 / 47.3.
     # `dsv4lab bench moe` rows at 088d083 (LINES the default): MXFP4 45.0 us against 44.5,
     # NVFP4 52.4 against 46.8 (variant mma2_nolines_t1, the entry without it)
+    # round 16: the gate/up tiles spread evenly over the SMs (BALANCE); #157 is the entry
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           BALANCE=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=True,
+           BALANCE=True),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           BALANCE=True),
+    _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           BALANCE=True),
 ]
 
 
