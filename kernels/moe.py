@@ -1081,12 +1081,7 @@ _MMA2_T1_SMEM = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, ST
 # (variant mma2_noevict_t1) in the same run.
 _MMA2_T1_REGS = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, STAGES=3, NSPS=2,
                      num_warps=2, REGS=None)
-# Session 13: the gate/up tiles spread evenly over the SMs (moe_mma2 BALANCE). The timeline
-# (scripts/profile_moe.py --timeline at 2efb542) had SMs running 1 to 8 of them, and the
-# crowded SMs' loops slower (median 11.8 us at 1 an SM, 17.9 at 8), so the phase ended late
-# (loop ends p50 20.5, max 27.4 us). The entry before is variant mma2_unbalanced_t1.
-_MMA2_T1_EVICT = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False)
-_MMA2_T1 = dict(_MMA2_T1_EVICT, BALANCE=None)
+_MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False)
 CONFIGS = [
     (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8
     (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64
@@ -1099,7 +1094,7 @@ CONFIGS = [
 # not be importable)
 MMA2_LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2",
                     "num_warps", "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG",
-                    "EVICT", "EARLY", "BALANCE")
+                    "EVICT", "EARLY")
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
                "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "MMA2",
                "num_warps", "num_stages")

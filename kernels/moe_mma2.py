@@ -137,7 +137,11 @@ Measured slower (session 13, code removed): the rings 8 K-steps deep (the down t
 ``LINES``, a K order in which a warp's load asks for its rows' whole 128-byte lines (lane t
 16 bytes at byte 32 t, the other half of each sector a step later), which a read-only probe
 had read faster (scripts/probe_weight_reads.py: 31.1 against 33.5 us): `dsv4lab bench moe`
-rows at 088d083, MXFP4 45.0 against 44.5 us, NVFP4 52.4 against 46.8.
+rows at 088d083, MXFP4 45.0 against 44.5 us, NVFP4 52.4 against 46.8. Nor did spreading the
+gate/up tiles evenly over the SMs (a program beyond its SM's quota waiting until every gate/up
+ticket was handed out; the timeline had SMs running 1 to 8 of them, the crowded ones' loops
+17.9 us against 11.8): rows at b307d7d, MXFP4 46.1 against 44.7 us (its compile held 6
+programs an SM, not 8).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -149,7 +153,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from dsv4lab.kernels.device import gluon_unsupported, pdl_ok, sm_count
+from dsv4lab.kernels.device import gluon_unsupported, pdl_ok
 from dsv4lab.kernels.gluon_compat import cta_barrier
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
@@ -829,28 +833,6 @@ def _gdc_wait(num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _gate_up_quota(ctr_ptr, sm_ctr_ptr, n_sm, quota, n_gu):
-    """BALANCE: the gate/up tiles spread evenly over the SMs. The ticket order (gate/up tiles,
-    then the down tiles) stays as it is; what changes is which programs take the gate/up
-    tickets. A program counts itself in on its SM (%smid); beyond the SM's first ``quota``
-    it waits until every gate/up ticket is handed out, then takes a (down) ticket. Without
-    this an SM could run 8 gate/up tiles and another 1, and the crowded SMs' tiles, slower,
-    end the phase. The wait is bounded (64 polls ~0.5 us apart), after which the program
-    takes a ticket anyway: a GPU whose SMs are partly taken by other work cannot deadlock."""
-    sm = gl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [n_sm], dtype=gl.int32,
-                                   is_pure=False, pack=1)
-    rank = gl.atomic_add(sm_ctr_ptr + sm % n_sm, 1, sem="relaxed", scope="gpu")
-    if rank >= quota:
-        seen = gl.atomic_add(ctr_ptr, 0, sem="relaxed", scope="gpu")
-        polls = 0
-        while (seen < n_gu) & (polls < 64):
-            seen = gl.inline_asm_elementwise("nanosleep.u32 500; mov.u32 $0, $1;", "=r,r", [seen],
-                                             dtype=gl.int32, is_pure=False, pack=1)
-            seen = gl.atomic_add(ctr_ptr, 0, sem="relaxed", scope="gpu")
-            polls += 1
-
-
-@gluon.jit
 def _wait_count(ptr, target):
     """Spin until the counter at ptr reaches target (acquire: what its writers stored
     before their release is then visible to this program)."""
@@ -906,8 +888,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, BALANCE: gl.constexpr = False, sm_ctr_ptr=None,
-                   n_sm=1, quota=0):
+                   EARLY: gl.constexpr = True):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -933,9 +914,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`. ``BALANCE``: at most ``quota`` of an SM's programs
-    take a ticket while gate/up tiles are left (:func:`_gate_up_quota`; ``sm_ctr_ptr``: ``n_sm``
-    zeroed counters, one an SM)."""
+    ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -950,8 +929,6 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     if TIMELINE:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
                                        is_pure=False, pack=1)
-    if BALANCE:
-        _gate_up_quota(ctr_ptr, sm_ctr_ptr, n_sm, quota, n_gu)
     tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     if TIMELINE:
         gl.store(stamps_ptr + tile * 8, t0)
@@ -1100,7 +1077,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, BALANCE=False):
+              EVICT=False, EARLY=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1123,8 +1100,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
-    ``BALANCE`` (the fused launch only): the gate/up tiles spread evenly over the SMs (see
-    :func:`_gate_up_quota`); None: on wherever the fused launch runs.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1195,18 +1170,14 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
         # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
         # _decode_kernel), zeroed by x's copy
-        n_sm = sm_count(dev, 1)
-        n_ctr = 1 + P + H // BN2 + P * (I // BN1)
-        # ... and BALANCE's, one an SM, after them
-        counters = torch.empty(n_ctr + n_sm, dtype=torch.int32, device=dev)
+        counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY),
-                             BALANCE is None or bool(BALANCE), n_ctr, n_sm)
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1246,7 +1217,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, balance=False, n_ctr=0, n_sm=1):
+                  evict=False, early=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1275,8 +1246,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
-        BALANCE=balance, sm_ctr_ptr=counters[n_ctr:], n_sm=n_sm,
-        quota=triton.cdiv(P * (I // BN1) * split1, n_sm), launch_pdl=pdl,
+        launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

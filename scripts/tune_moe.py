@@ -286,16 +286,15 @@ CANDIDATES = [
     # 48.1 / 55.8, BN2 64 49.6 / 58.6, REGS 2 50.4 / 54.0; with the L2 prefetch 45.9 / 47.3.
     # `dsv4lab bench moe` rows at 088d083 (LINES the default): MXFP4 45.0 us against 44.5,
     # NVFP4 52.4 against 46.8 (variant mma2_nolines_t1, the entry without it)
-    # round 16: the gate/up tiles spread evenly over the SMs (BALANCE); #157 is the entry
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           BALANCE=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=True,
-           BALANCE=True),
-    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           BALANCE=True),
-    _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           BALANCE=True),
+    # round 16 (session 13; the code is gone): BALANCE, the gate/up tiles spread evenly over the
+    # SMs (a program beyond its SM's quota of ceil(768 / 132) waited until every gate/up
+    # ticket was handed out), after a timeline (profile_moe --timeline at 2efb542) had SMs
+    # running 1 to 8 of them, the crowded ones' loops slower (11.8 us at 1 an SM, 17.9 at 8).
+    # Printout at b307d7d, MXFP4 / NVFP4: the entry 43.8 / 46.7 us; BALANCE 45.6 / 47.6, with
+    # the L2 prefetch 46.9 / 48.3, split 4 / 1 50.0 / 49.9. Its own timeline (no flush, plain
+    # calls) ended at 38.7 us, but with 6 programs an SM where the entry's compile holds 8.
+    # `dsv4lab bench moe` rows at b307d7d (BALANCE the default): MXFP4 46.1 against 44.7,
+    # NVFP4 47.4 against 46.7 (variant mma2_unbalanced_t1)
 ]
 
 

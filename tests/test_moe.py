@@ -1068,10 +1068,6 @@ def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, 
                                dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
                                     EARLY=False),
                                dict(BN1=8, BN2=16, SPLIT1=2, num_warps=1, REGS=4),
-                               dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
-                                    BALANCE=True),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
-                                    num_warps=2, BALANCE=True),
                                dict(BN1=64, BN2=32, num_warps=2, STAGES=2, NSPS=2)]),
        **_MMA2_DRAWS)
 def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
