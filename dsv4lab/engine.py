@@ -239,7 +239,7 @@ class _Runner:
                     self.step()
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with runtime.cuda_graph_capture(g):
                 self.step()
             torch.cuda.synchronize()
             self.graph = g

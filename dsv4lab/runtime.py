@@ -8,6 +8,7 @@ Explained in notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -49,6 +50,26 @@ def is_capturing(t: torch.Tensor) -> bool:
     """True while ``t``'s CUDA stream is being captured into a CUDA graph: value checks that
     read a tensor on the host must be skipped then."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def cuda_graph_capture(graph: torch.cuda.CUDAGraph):
+    """``torch.cuda.graph(graph)`` that, when the capture fails (a host sync, an op that
+    cannot be captured), hands the default CUDA generators back from capture mode before the
+    error propagates. torch marks them capturing at ``capture_begin`` and unmarks them only
+    when ``capture_end`` succeeds, so after an aborted capture the process's next CUDA random
+    draw (a layer's init, ``torch.randn``) fails with "Offset increment outside graph capture
+    encountered unexpectedly". Every capture of the lab's that falls back to eager on failure
+    (the decode-step profile, the engine, the benchmark helper) goes through here.
+    Explained in notebooks/03_indexer_capping.ipynb (capturing a decode step)."""
+    try:
+        with torch.cuda.graph(graph):
+            yield graph
+    except BaseException:
+        for gen in torch.cuda.default_generators:
+            if hasattr(gen, "clone_state"):     # a fresh state object: same seed and offset
+                gen.graphsafe_set_state(gen.clone_state())
+        raise
 
 
 def capability() -> tuple[int, int] | None:

@@ -673,7 +673,7 @@ def _capture_run(run: Callable, state, marks, *, free_cache: bool = True):
     if free_cache:
         torch.cuda.empty_cache()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with runtime.cuda_graph_capture(g):
         if marks is not None:
             marks.begin()
             run(state, marks)

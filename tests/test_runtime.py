@@ -133,3 +133,30 @@ def test_moe_mma2_launch_keys_are_its_keywords():
     launch = {n for n, p in params.items()
               if p.kind is p.KEYWORD_ONLY and (n.isupper() or n == "num_warps")}
     assert set(moe.MMA2_LAUNCH_KEYS) == launch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_aborted_capture_leaves_random_draws_working():
+    # a capture that fails (here a host sync inside it) must not leave the CUDA generator in
+    # capture mode: the decode-step profile falls back to eager after one, then builds the
+    # next configuration's layers with CUDA random draws (found by the full GPU run at fdeb20d:
+    # test_real_size_layers_small_batch, "Offset increment outside graph capture ...")
+    from dsv4lab import runtime
+    x = torch.randn(8, device="cuda")
+    torch.cuda.synchronize()
+    with pytest.raises(Exception):
+        with runtime.cuda_graph_capture(torch.cuda.CUDAGraph()):
+            y = torch.randn(8, device="cuda") + x
+            torch.cuda.synchronize()           # not allowed while capturing
+    torch.cuda.synchronize()
+    torch.manual_seed(5)
+    a = torch.randn(1000, device="cuda")
+    torch.manual_seed(5)
+    assert torch.equal(torch.randn(1000, device="cuda"), a) and a.std() > 0.5
+    g = torch.cuda.CUDAGraph()                 # and a good capture still works after it
+    with runtime.cuda_graph_capture(g):
+        y = x * 2
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
