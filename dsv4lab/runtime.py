@@ -59,8 +59,9 @@ def cuda_graph_capture(graph: torch.cuda.CUDAGraph):
     error propagates. torch marks them capturing at ``capture_begin`` and unmarks them only
     when ``capture_end`` succeeds, so after an aborted capture the process's next CUDA random
     draw (a layer's init, ``torch.randn``) fails with "Offset increment outside graph capture
-    encountered unexpectedly". Every capture of the lab's that falls back to eager on failure
-    (the decode-step profile, the engine, the benchmark helper) goes through here.
+    encountered unexpectedly". The lab's captures go through here: the decode-step profile's
+    and the engine's, which fall back to eager after a failure, and
+    :func:`dsv4lab.bench.capture_graph`'s, whose caller sees the error.
     Explained in notebooks/03_indexer_capping.ipynb (capturing a decode step)."""
     try:
         with torch.cuda.graph(graph):

@@ -1,4 +1,5 @@
 """What the kernel launchers ask of the device, shared by every kernel family."""
+import functools
 import os
 
 import torch
@@ -41,11 +42,18 @@ def gluon_unsupported(version: str | None = None) -> str | None:
     if version is None:
         import triton
         version = triton.__version__
+    return _gluon_reason(version, os.environ.get("DSV4LAB_GLUON_ANY_TRITON", "0") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_reason(version: str, any_release: bool) -> str | None:
+    """:func:`gluon_unsupported`'s answer, worked out once a (version, opt-in): the ops ask
+    on every call."""
     try:
         major_minor = tuple(int(p) for p in version.split(".")[:2])
     except ValueError:
         major_minor = ()
-    if major_minor in GLUON_TRITON or os.environ.get("DSV4LAB_GLUON_ANY_TRITON", "0") == "1":
+    if major_minor in GLUON_TRITON or any_release:
         return None
     tested = ", ".join(f"{a}.{b}" for a, b in GLUON_TRITON)
     return (f"the Gluon kernels are written for Triton {tested}'s Gluon API (found Triton "

@@ -999,7 +999,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                     up += gl.load(part + I, mask=col[None, :], other=0.0, cache_modifier=".cg")
                 _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
         if last:
-            cta_barrier()                   # every thread's act stores, then one release
+            cta_barrier()                         # every thread's act stores, then one release
             gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
         _stamp(stamps_ptr, tile, 4, num_warps)
     else:

@@ -450,7 +450,7 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
         sw_next = _scale_words(kv_ptr, idx)
         idx = _slots(idx_row, start, end, i + 2, BLOCK_N, rows_l)                # tile i + 2
         async_copy.wait_group(1)                  # tile i's group (tile i + 1's may fly)
-        cta_barrier()                       # every thread's copies, not just its own
+        cta_barrier()                             # every thread's copies, not just its own
         slot = i % STAGES
         buf = i % NUM_BUF
         mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
