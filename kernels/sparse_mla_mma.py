@@ -749,6 +749,13 @@ VARIANTS: dict = {
     "ws_ss_n32_b4_p16_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True),
     "ws_ss_n32_b4_merge_p16": Config(32, 8, 4, 64, ws=True, seesaw=True, merge_pair=True,
                                      part16=True),
+    # the seesaw consumers' lazy rescale (kernels/sparse_mla_ws.py, _next_max): the running
+    # max moves, and the two [64, 256] fp32 rescales of a pair run, only once a head's scores
+    # exceed it by 2^8. sm_90, triton 3.6, offline: 20-60 B spills (eager 0-8 B)
+    "ws_ss_n32_b4_lazy": Config(32, 8, 4, 64, lazy=True, ws=True, seesaw=True),
+    "ws_ss_n32_b4_lazy_p16_pdl": Config(32, 8, 4, 64, lazy=True, ws=True, seesaw=True,
+                                        part16=True, pdl=True),
+    "ws_ss_n32_b3_lazy": Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -905,7 +912,8 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     # (asked before the import) and the GPU and shapes suit it; else the kernel here
     if config.ws and block_h == 64 and gluon_unsupported() is None:
         from dsv4lab.kernels import sparse_mla_ws
-        if sparse_mla_ws.supported(q, kv, fp8, d_v, config.block_n, config.num_stages, config.seesaw):
+        if sparse_mla_ws.supported(q, kv, fp8, d_v, config.block_n, config.num_stages, config.seesaw,
+                                   config.lazy):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
                                                block_n=config.block_n, num_buf=config.num_stages,
                                                lazy=config.lazy, seesaw=config.seesaw,

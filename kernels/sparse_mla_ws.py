@@ -122,6 +122,7 @@ from dsv4lab.kernels.gluon_compat import cta_barrier
 HEADS = gl.constexpr(64)
 DIM = gl.constexpr(512)
 HALF = gl.constexpr(256)      # the columns of D (and d_v) one consumer owns
+LAZY_SLACK = gl.constexpr(8.0)  # the lazy rescale's slack on the running max (base 2)
 FP8_ROW_BYTES = 584           # an FP8 cache row: 448 e4m3, 64 bf16 RoPE, 8 scale bytes
 FP8_ROW = gl.constexpr(FP8_ROW_BYTES)
 _FP8_SLOTS = 2                # staging slots of raw FP8 rows (the tile converting, the next)
@@ -522,7 +523,7 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
             # move the running max (and rescale acc) only once some head's max grew by more
             # than 2^8: p <= 256 meanwhile, and most tiles skip the [64, 256] multiply.
             # Both consumers hold the same S, so they decide alike.
-            if gl.max(gl.where(m_tile > m_i + 8.0, 1, 0), axis=0) > 0:
+            if gl.max(gl.where(m_tile > m_i + LAZY_SLACK, 1, 0), axis=0) > 0:
                 m_new = gl.maximum(m_i, m_tile)
                 alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
                 l_i = l_i * alpha
@@ -548,6 +549,21 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
 
 
 @gluon.jit
+def _next_max(m_i, m_seen, LAZY: gl.constexpr):
+    """The seesaw's next running max from the maxima ``m_seen`` of scores it takes in, and
+    whether it moved (so acc must be rescaled). Eager: always max(m_i, m_seen). LAZY:
+    only once some head's ``m_seen`` exceeds ``m_i`` by more than LAZY_SLACK (base 2),
+    so most pairs skip both [64, 256] rescales; P stays <= 2^8 relative to the held max
+    (a peer's P, rescaled to it, <= 2^16), far inside bf16 and fp32. The decision is one
+    warp-group reduction, so the whole group branches alike."""
+    if LAZY:
+        grow = gl.max(gl.where(m_seen > m_i + LAZY_SLACK, 1, 0), axis=0) > 0
+        return gl.where(grow, gl.maximum(m_i, m_seen), m_i), grow
+    else:
+        return gl.maximum(m_i, m_seen), True
+
+
+@gluon.jit
 def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars,
                  qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink,
                  split, lazy, W: gl.constexpr):
@@ -565,6 +581,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    LAZY: gl.constexpr = m_smem.type.shape[0] > 8       # the kernel's LAZY_SS (see there)
 
     m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
@@ -589,7 +606,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         kv = kv_smem.index(buf)
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_new, grow = _next_max(m_i, gl.max(s, axis=1), LAZY)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         p32 = gl.exp2(s - m_safe[:, None])
@@ -597,7 +614,8 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         p = p32.to(kv_smem.dtype)
         l_i = l_i * alpha + rsum
         m_i = m_new
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        if grow:
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         # publish P, the max it is relative to and its fp32 row sums (the sums of the
         # rounded P would put a bf16 rounding into the other consumer's log-sum-exp); two
         # buffers a side, the reader frees one
@@ -620,7 +638,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         rsum_o = m_smem.index(4 + theirs).load(row_l)
         cta_barrier()
         mbarrier.arrive(p_free.index(theirs), count=1)
-        m_new = gl.maximum(m_i, m_o)
+        m_new, grow = _next_max(m_i, m_o, LAZY)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
         beta = gl.exp2(m_o - m_safe)
@@ -628,7 +646,8 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         l_i = l_i * alpha + rsum_o * beta
         m_i = m_new
         acc = warpgroup_mma_wait(0, deps=[acc])
-        acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        if grow:
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         mbarrier.wait(kv_ready.index(buf2), (t2 // NUM_BUF) & 1)
         acc = warpgroup_mma(gl.convert_layout(p2.to(kv_smem.dtype), p_layout),
                             kv_smem.index(buf2).slice(W * HALF, HALF, dim=1), acc, is_async=True)
@@ -683,7 +702,8 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           SEESAW: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                          FP8: gl.constexpr = False, PDL: gl.constexpr = False):
+                          FP8: gl.constexpr = False, PDL: gl.constexpr = False,
+                          LAZY_SS: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
@@ -711,8 +731,10 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     else:           # score swap: fp32 halves
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer
-    m_smem = gl.allocate_shared_memory(gl.float32, [8, HEADS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer; a
+    # ninth (unused) row tells the seesaw consumers LAZY_SS, as no constexpr reaches them
+    m_smem = gl.allocate_shared_memory(gl.float32, [8 + LAZY_SS, HEADS],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -779,17 +801,18 @@ def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
 STORE_SCRATCH = 3856         # the output store's layout conversion (sm_90 compile, Triton 3.6)
 
 
-def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool) -> int:
+def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool, lazy: bool = False) -> int:
     """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
-    D split: fp32 score halves), the row maxima and sums, the FP8 staging (``staged``), the
-    output store's conversion scratch (:func:`_store_rows`)."""
+    D split: fp32 score halves), the row maxima and sums (and the seesaw's LAZY_SS row), the
+    FP8 staging (``staged``), the output store's conversion scratch (:func:`_store_rows`)."""
     exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
-    return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange + 8 * HEADS * 4
+    return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange
+            + (8 + int(lazy and seesaw)) * HEADS * 4
             + (_fp8_staging_bytes(block_n) if staged else 0) + STORE_SCRATCH)
 
 
 def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
-              seesaw: bool = True) -> bool:
+              seesaw: bool = True, lazy: bool = False) -> bool:
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
     shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
     in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
@@ -805,7 +828,7 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     if not (H == HEADS and D == DIM and d_v == DIM and q.is_contiguous() and q.data_ptr() % 16 == 0
             and kv.dim() == 2 and kv.is_contiguous() and kv.data_ptr() % 16 == 0):
         return False
-    if smem_bytes(block_n, num_buf, seesaw, fp8) > SMEM_LIMIT:
+    if smem_bytes(block_n, num_buf, seesaw, fp8, lazy) > SMEM_LIMIT:
         return False
     if fp8:
         return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
@@ -837,7 +860,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     kernels/sparse_mla_mma.py -> (out [B, S_q, 64, 512], lse fp32 [B, S_q, 64]).
     ``block_n`` rows a tile, ``num_buf`` ring buffers, ``seesaw`` the consumers' design (see
     the module docstring; seesaw needs ``num_buf`` >= 3 to prefetch while a pair is in
-    use), ``lazy`` the D-split consumers' lazy rescale (seesaw ignores it); ``merge_pair``:
+    use), ``lazy`` the consumers' lazy rescale (D split: decided alike by both from the
+    same scores; seesaw: LAZY_SS, each consumer for its own state); ``merge_pair``:
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
@@ -845,7 +869,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     from dsv4lab.kernels.device import pdl_ok
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    need = smem_bytes(block_n, num_buf, seesaw, fp8)
+    need = smem_bytes(block_n, num_buf, seesaw, fp8, lazy)
     if (fp8 and block_n != 32) or need > SMEM_LIMIT:
         # Q 64 KB + the ring + the exchange (+ FP8: two staging slots of raw rows, 36 KB)
         rule = "the FP8 cache takes 32-row tiles in at most 3 ring buffers; " if fp8 else ""
@@ -880,7 +904,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
-        PDL=pdl)
+        PDL=pdl, LAZY_SS=bool(lazy) and seesaw)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse

@@ -735,7 +735,7 @@ def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None, out_atol_factor
                                         (128, 2, 2048), (3, 4, 777), (5, 1, 1), (2, 3, 33)])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_n32_b3_lazy", "ws_ss_n32_b3",
-                                     "ws_ss_n32_b4"])
+                                     "ws_ss_n32_b4", "ws_ss_n32_b4_lazy"])
 def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
     """Real shapes, -1 slots, duplicates, an all -1 query, topk 1 / 33 / 777 (not a
     multiple of the 32-row tile), with the planned split-KV."""
@@ -748,7 +748,8 @@ def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl",
+                                     "ws_ss_n32_b4_lazy_p16_pdl"])
 def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
     """Forced split counts (1 = unsplit) and fp16; a -1 tail inside one split."""
     q, kv, idx, snk = make_case(6, 2, 64, 512, 8192, 1500, dtype=dtype, sink=True, seed=splits,
@@ -759,7 +760,7 @@ def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
 
 @pytest.mark.gpu
 @WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_lazy"])
 def test_gpu_ws_ratio128_long_lists(variant):
     """A ratio-128 layer's max-context list (-1 up to 8320 slots): trimmed, same answer."""
     q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, sink=True, empty_frac=0.0,
@@ -771,10 +772,48 @@ def test_gpu_ws_ratio128_long_lists(variant):
 
 @pytest.mark.gpu
 @WS_GPU
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("variant", ["ws_ss_n32_b4", "ws_ss_n32_b4_lazy", "ws_ss_n32_b4_lazy_p16_pdl",
+                                     "ws_n32_b3_lazy"])
+def test_gpu_ws_running_max_moves(splits, variant):
+    """Scores built to move the running max, head by head (softmax_scale 1): a ramp that
+    climbs ~41 (base 2) every 32-row tile (far past the lazy rescale's 2^8 slack; 1843
+    in all, so any missed rescale overflows exp), the same falling (the first tile holds
+    the max), half that climb, none; half the heads add +-40 by tile parity, so each seesaw
+    consumer's peer tiles outscore its own, or the reverse. Slots in row order, a few -1,
+    one whole -1 tile. Eager and lazy, split or not, against the fp32 reference."""
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    B, topk, N = 3, 2048, 4096
+    g = torch.Generator().manual_seed(splits)
+    row = torch.arange(N, dtype=torch.float32)
+    kv = torch.randn(N, 512, generator=g) * 0.5
+    kv[:, 0] = row * 3e-3
+    kv[:, 1] = torch.where((row // 32) % 2 == 0, 0.4, -0.4)
+    q = torch.zeros(B, 1, 64, 512)
+    h = torch.arange(64)
+    q[:, :, :, 0] = torch.tensor([300.0, -300.0, 150.0, 0.0])[h % 4]
+    q[:, :, :, 1] = 100.0 * ((h // 4) % 2)
+    idx = (torch.arange(topk, dtype=torch.int32) + 512 * torch.arange(B, dtype=torch.int32)[:, None])
+    idx = idx[:, None, :].clone()
+    idx[:, :, 5::97] = -1
+    idx[1, :, 320:352] = -1                       # a whole tile of -1
+    q, kv, idx = q.to(torch.bfloat16).cuda(), kv.to(torch.bfloat16).cuda(), idx.cuda()
+    snk = torch.linspace(-2.0, 2.0, 64, device="cuda")
+    cfg = mma_variants()[variant]._replace(splits=splits)
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, softmax_scale=1.0,
+                                             attn_sink=snk)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, softmax_scale=1.0, attn_sink=snk,
+                                     backend="torch")
+    assert torch.isfinite(out.float()).all()
+    assert_matches_reference(q, out, lse, ref, ref_lse)
+
+
+@pytest.mark.gpu
+@WS_GPU
 @pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (64, 1, 2048), (128, 2, 2048), (3, 4, 777),
                                         (5, 1, 1), (2, 3, 33)])
 @pytest.mark.parametrize("sink", [False, True])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy"])
 def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
     """The FP8 cache (staged raw rows, dequantised by the producer) at real shapes, -1
     slots, duplicates, an all -1 query, topk not a multiple of the tile; the reference
@@ -792,7 +831,7 @@ def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy"])
 def test_gpu_ws_fp8_splits_and_extremes(splits, variant):
     """Forced split counts; rows whose groups get scales from 2^-20 to 2^4 (a wrong byte of
     the scale word shows), e4m3 subnormals, an all-zero group, a -1 tail inside one split."""
@@ -846,7 +885,8 @@ def _captured(q, kv, idx, snk, config):
 
 @pytest.mark.gpu
 @WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl"])
+@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl",
+                                     "ws_ss_n32_b4_lazy_p16_pdl"])
 def test_gpu_ws_cuda_graph_capture(variant):
     """Replays from a CUDA graph with new inputs in the same buffers (with ``pdl``: the
     combine's programmatic dependency captured as a graph edge)."""
