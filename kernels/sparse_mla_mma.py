@@ -578,7 +578,9 @@ class Config(NamedTuple):
     on a normalised output, before the combine's fp32 sum); ``pdl``: the combine kernel
     launched as a programmatic dependent launch (sm_90+; ignored elsewhere): the split
     kernel lets it be scheduled at once, and it waits (``griddepcontrol.wait``) for the
-    split kernel's results, so its launch overlaps the split kernel's tail."""
+    split kernel's results, so its launch overlaps the split kernel's tail; ``pingpong``:
+    with ``ws`` and ``seesaw``, the two consumers' scores take turns instead of running at
+    once; ``p_swizzle``: with ``ws`` and ``seesaw``, the P exchange buffers swizzled."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -596,6 +598,8 @@ class Config(NamedTuple):
     merge_pair: bool = False
     part16: bool = False
     pdl: bool = False
+    pingpong: bool = False
+    p_swizzle: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -756,6 +760,12 @@ VARIANTS: dict = {
     "ws_ss_n32_b4_lazy_p16_pdl": Config(32, 8, 4, 64, lazy=True, ws=True, seesaw=True,
                                         part16=True, pdl=True),
     "ws_ss_n32_b3_lazy": Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True),
+    # the seesaw consumers' scores in turn (PINGPONG) and the P exchange swizzled (P_SWIZZLE)
+    "ws_ss_n32_b4_pp": Config(32, 8, 4, 64, ws=True, seesaw=True, pingpong=True),
+    "ws_ss_n32_b4_psw": Config(32, 8, 4, 64, ws=True, seesaw=True, p_swizzle=True),
+    "ws_ss_n32_b4_pp_psw_p16_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, pingpong=True,
+                                          p_swizzle=True, part16=True, pdl=True),
+    "ws_ss_n32_b3_pp": Config(32, 8, 3, 64, ws=True, seesaw=True, pingpong=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -918,7 +928,9 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
                                                block_n=config.block_n, num_buf=config.num_stages,
                                                lazy=config.lazy, seesaw=config.seesaw,
                                                merge_pair=config.merge_pair,
-                                               part16=config.part16, pdl=config.pdl)
+                                               part16=config.part16, pdl=config.pdl,
+                                               pingpong=config.pingpong,
+                                               p_swizzle=config.p_swizzle)
     launch(config)
     if split:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=bool(config.pdl) and pdl_ok(dev))

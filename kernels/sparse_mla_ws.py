@@ -350,7 +350,7 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     """4 warps: Q once, then the KV ring (cp.async; a buffer is refilled once both
     consumers released it). The next tile's indices are loaded before the wait for its
     buffer, so their latency hides behind the consumers' work."""
-    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
+    q_bar, kv_ready, kv_empty, s_ready, s_free, turn = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -432,7 +432,7 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     stores, fenced for the consumers' wgmma before the ready signal. The slots' indices
     are loaded two tiles ahead, so no copy waits for its addresses. The consumers see the
     same bf16 tiles as with a bf16 cache."""
-    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
+    q_bar, kv_ready, kv_empty, s_ready, s_free, turn = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     STAGES: gl.constexpr = rope_stage.type.shape[0]
@@ -476,7 +476,7 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy, W: gl.constexpr):
     """4 warps, columns [W * 256, W * 256 + 256) of D and of d_v."""
-    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
+    q_bar, kv_ready, kv_empty, s_ready, s_free, turn = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     S_BUFS: gl.constexpr = s_smem.type.shape[0] // 2     # 2: parity-double-buffered swap
@@ -572,7 +572,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     both tiles of the pair, rescaling the other consumer's P to its own running max on
     arrival. Each consumer keeps a complete online-softmax state (max, sum, half the
     output), so the two only meet through the P buffers, never in lock-step."""
-    q_bar, kv_ready, kv_empty, p_ready, p_free = bars
+    q_bar, kv_ready, kv_empty, p_ready, p_free, turn = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -582,6 +582,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     LAZY: gl.constexpr = m_smem.type.shape[0] > 8       # the kernel's LAZY_SS (see there)
+    PINGPONG: gl.constexpr = turn.type.shape[0] == 2     # the kernel's PINGPONG (see there)
 
     m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
@@ -604,7 +605,11 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
             if j == 0:
                 _stamp(cnt_ptr, prow // HEADS, 6)
         kv = kv_smem.index(buf)
+        if PINGPONG:    # scores in turn: consumer 0's of pair j after 1's of pair j - 1, 1's after 0's
+            mbarrier.wait(turn.index(W), (j & 1) ^ (1 - W))
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - W), count=1)
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new, grow = _next_max(m_i, gl.max(s, axis=1), LAZY)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -703,7 +708,8 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
                           FP8: gl.constexpr = False, PDL: gl.constexpr = False,
-                          LAZY_SS: gl.constexpr = False):
+                          LAZY_SS: gl.constexpr = False, PINGPONG: gl.constexpr = False,
+                          P_SWIZZLE: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
@@ -726,8 +732,11 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, DIM], dtype))
     if SEESAW:      # P exchange: bf16 [4, 64, BLOCK_N] and the row maxima it is relative to
-        s_smem = gl.allocate_shared_memory(dtype, [4, HEADS, BLOCK_N],
-                                           gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        if P_SWIZZLE:   # the 16-byte rows of stmatrix / ldmatrix in distinct banks
+            p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype)
+        else:           # plain 64-byte rows: an 8 x 8 matrix's 8 rows fall in 2 bank groups
+            p_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        s_smem = gl.allocate_shared_memory(dtype, [4, HEADS, BLOCK_N], p_layout)
     else:           # score swap: fp32 halves
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -740,6 +749,13 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     s_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     s_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    # PINGPONG (seesaw): the consumers' scores alternate, 0's then 1's, pair after pair, so
+    # one's softmax and exchange run while the other's scores hold the tensor cores (turn[W]:
+    # consumer W may start); otherwise q_bar stands in, unused (the shape tells the partitions)
+    if PINGPONG:
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    else:
+        turn = q_bar
     mbarrier.init(q_bar, count=1)
     for b in gl.static_range(NUM_BUF):
         mbarrier.init(kv_ready.index(b), count=1)
@@ -747,11 +763,14 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     for b in gl.static_range(4):
         mbarrier.init(s_ready.index(b), count=1)
         mbarrier.init(s_free.index(b), count=1)
+    if PINGPONG:
+        for b in gl.static_range(2):
+            mbarrier.init(turn.index(b), count=1)
 
     prow = (bs * num_splits + sp) * HEADS
     orow = bs * HEADS
     args = (q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem,
-            (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
+            (q_bar, kv_ready, kv_empty, s_ready, s_free, turn), qk_scale, sink_ptr, out_ptr, lse_ptr,
             opart_ptr, lpart_ptr, cnt_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
     if FP8:         # raw rows staged by cp.async, dequantised by the producer into the ring
@@ -852,7 +871,7 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
                   lazy=False, seesaw=False, scan_n=512, merge_pair=False, part16=False,
-                  pdl=False):
+                  pdl=False, pingpong=False, p_swizzle=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
@@ -865,7 +884,9 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
-    launch (sm_90+; see kernels/sparse_mla_mma.py Config)."""
+    launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``pingpong``: the seesaw
+    consumers' scores take turns (the kernel's PINGPONG); ``p_swizzle``: the seesaw's P
+    exchange buffers swizzled (P_SWIZZLE)."""
     from dsv4lab.kernels.device import pdl_ok
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
@@ -904,7 +925,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
-        PDL=pdl, LAZY_SS=bool(lazy) and seesaw)
+        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, PINGPONG=bool(pingpong) and seesaw,
+        P_SWIZZLE=bool(p_swizzle) and seesaw)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse
