@@ -350,7 +350,7 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
     """4 warps: Q once, then the KV ring (cp.async; a buffer is refilled once both
     consumers released it). The next tile's indices are loaded before the wait for its
     buffer, so their latency hides behind the consumers' work."""
-    q_bar, kv_ready, kv_empty, s_ready, s_free, turn = bars
+    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
@@ -432,7 +432,7 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m
     stores, fenced for the consumers' wgmma before the ready signal. The slots' indices
     are loaded two tiles ahead, so no copy waits for its addresses. The consumers see the
     same bf16 tiles as with a bf16 cache."""
-    q_bar, kv_ready, kv_empty, s_ready, s_free, turn = bars
+    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     STAGES: gl.constexpr = rope_stage.type.shape[0]
@@ -476,7 +476,7 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, cnt_ptr, prow, orow, has_sink, split,
               lazy, W: gl.constexpr):
     """4 warps, columns [W * 256, W * 256 + 256) of D and of d_v."""
-    q_bar, kv_ready, kv_empty, s_ready, s_free, turn = bars
+    q_bar, kv_ready, kv_empty, s_ready, s_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     S_BUFS: gl.constexpr = s_smem.type.shape[0] // 2     # 2: parity-double-buffered swap
@@ -572,7 +572,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     both tiles of the pair, rescaling the other consumer's P to its own running max on
     arrival. Each consumer keeps a complete online-softmax state (max, sum, half the
     output), so the two only meet through the P buffers, never in lock-step."""
-    q_bar, kv_ready, kv_empty, p_ready, p_free, turn = bars
+    q_bar, kv_ready, kv_empty, p_ready, p_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
     s_layout: gl.constexpr = _wgmma_layout(BLOCK_N)
@@ -581,8 +581,9 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-    LAZY: gl.constexpr = m_smem.type.shape[0] > 8       # the kernel's LAZY_SS (see there)
-    PINGPONG: gl.constexpr = turn.type.shape[0] == 2     # the kernel's PINGPONG (see there)
+    # the kernel's LAZY_SS and PAIR_MAX (see there), read off m_smem's extra rows
+    LAZY: gl.constexpr = (m_smem.type.shape[0] - 8) % 2 == 1
+    PAIR: gl.constexpr = (m_smem.type.shape[0] - 8) // 2 == 1
 
     m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
@@ -605,34 +606,37 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
             if j == 0:
                 _stamp(cnt_ptr, prow // HEADS, 6)
         kv = kv_smem.index(buf)
-        if PINGPONG:    # scores in turn: consumer 0's of pair j after 1's of pair j - 1, 1's after 0's
-            mbarrier.wait(turn.index(W), (j & 1) ^ (1 - W))
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - W), count=1)
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new, grow = _next_max(m_i, gl.max(s, axis=1), LAZY)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p32 = gl.exp2(s - m_safe[:, None])
-        rsum = gl.sum(p32, axis=1)
+        if PAIR:    # P against max(held max, tile max); the held max moves once, below
+            m_pub = gl.maximum(m_i, gl.max(s, axis=1))
+            p32 = gl.exp2(s - gl.where(m_pub == float("-inf"), 0.0, m_pub)[:, None])
+            rsum = gl.sum(p32, axis=1)
+        else:
+            m_new, grow = _next_max(m_i, gl.max(s, axis=1), LAZY)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p32 = gl.exp2(s - m_safe[:, None])
+            rsum = gl.sum(p32, axis=1)
+            l_i = l_i * alpha + rsum
+            m_i = m_new
+            m_pub = m_i
+            if grow:
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         p = p32.to(kv_smem.dtype)
-        l_i = l_i * alpha + rsum
-        m_i = m_new
-        if grow:
-            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         # publish P, the max it is relative to and its fp32 row sums (the sums of the
         # rounded P would put a bf16 rounding into the other consumer's log-sum-exp); two
         # buffers a side, the reader frees one
         mine = W * 2 + par
         mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
         p_smem.index(mine).store(p)
-        m_smem.index(mine).store(m_i)
+        m_smem.index(mine).store(m_pub)
         m_smem.index(4 + mine).store(rsum)
         cta_barrier()
         mbarrier.arrive(p_ready.index(mine), count=1)
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1), acc,
-                            is_async=True)
+        if not PAIR:
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1),
+                                acc, is_async=True)
         # the other consumer's tile of the pair, rescaled to this consumer's running max
         theirs = (1 - W) * 2 + par
         t2 = 2 * j + 1 - W
@@ -643,16 +647,30 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         rsum_o = m_smem.index(4 + theirs).load(row_l)
         cta_barrier()
         mbarrier.arrive(p_free.index(theirs), count=1)
-        m_new, grow = _next_max(m_i, m_o, LAZY)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        beta = gl.exp2(m_o - m_safe)
-        p2 = p_o * beta[:, None]
-        l_i = l_i * alpha + rsum_o * beta
-        m_i = m_new
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if grow:
-            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        if PAIR:    # the held max moves once a pair: one [64, 256] rescale, the two P V back to back
+            m_new, grow = _next_max(m_i, gl.maximum(m_pub, m_o), LAZY)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            b_own = gl.exp2(m_pub - m_safe)
+            beta = gl.exp2(m_o - m_safe)
+            l_i = l_i * alpha + rsum * b_own + rsum_o * beta
+            m_i = m_new
+            if grow:
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+            p_own = gl.convert_layout((p32 * b_own[:, None]).to(kv_smem.dtype), p_layout)
+            acc = warpgroup_mma(p_own, kv.slice(W * HALF, HALF, dim=1), acc, is_async=True)
+            p2 = p_o * beta[:, None]
+        else:
+            m_new, grow = _next_max(m_i, m_o, LAZY)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            beta = gl.exp2(m_o - m_safe)
+            p2 = p_o * beta[:, None]
+            l_i = l_i * alpha + rsum_o * beta
+            m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            if grow:
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         mbarrier.wait(kv_ready.index(buf2), (t2 // NUM_BUF) & 1)
         acc = warpgroup_mma(gl.convert_layout(p2.to(kv_smem.dtype), p_layout),
                             kv_smem.index(buf2).slice(W * HALF, HALF, dim=1), acc, is_async=True)
@@ -708,7 +726,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
                           FP8: gl.constexpr = False, PDL: gl.constexpr = False,
-                          LAZY_SS: gl.constexpr = False, PINGPONG: gl.constexpr = False,
+                          LAZY_SS: gl.constexpr = False, PAIR_MAX: gl.constexpr = False,
                           P_SWIZZLE: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
@@ -740,22 +758,16 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     else:           # score swap: fp32 halves
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer; a
-    # ninth (unused) row tells the seesaw consumers LAZY_SS, as no constexpr reaches them
-    m_smem = gl.allocate_shared_memory(gl.float32, [8 + LAZY_SS, HEADS],
+    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer;
+    # unused rows after them tell the seesaw consumers LAZY_SS (one) and PAIR_MAX (two), as
+    # no constexpr reaches a partition
+    m_smem = gl.allocate_shared_memory(gl.float32, [8 + LAZY_SS + 2 * PAIR_MAX, HEADS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     s_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     s_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    # PINGPONG (seesaw): the consumers' scores alternate, 0's then 1's, pair after pair, so
-    # one's softmax and exchange run while the other's scores hold the tensor cores (turn[W]:
-    # consumer W may start); otherwise q_bar stands in, unused (the shape tells the partitions)
-    if PINGPONG:
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    else:
-        turn = q_bar
     mbarrier.init(q_bar, count=1)
     for b in gl.static_range(NUM_BUF):
         mbarrier.init(kv_ready.index(b), count=1)
@@ -763,14 +775,11 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     for b in gl.static_range(4):
         mbarrier.init(s_ready.index(b), count=1)
         mbarrier.init(s_free.index(b), count=1)
-    if PINGPONG:
-        for b in gl.static_range(2):
-            mbarrier.init(turn.index(b), count=1)
 
     prow = (bs * num_splits + sp) * HEADS
     orow = bs * HEADS
     args = (q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_smem,
-            (q_bar, kv_ready, kv_empty, s_ready, s_free, turn), qk_scale, sink_ptr, out_ptr, lse_ptr,
+            (q_bar, kv_ready, kv_empty, s_ready, s_free), qk_scale, sink_ptr, out_ptr, lse_ptr,
             opart_ptr, lpart_ptr, cnt_ptr, prow, orow, HAS_SINK, SPLIT, lazy)
     # the producer is the default partition (the kernel's 4 warps); the consumers are workers
     if FP8:         # raw rows staged by cp.async, dequantised by the producer into the ring
@@ -820,18 +829,19 @@ def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
 STORE_SCRATCH = 3856         # the output store's layout conversion (sm_90 compile, Triton 3.6)
 
 
-def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool, lazy: bool = False) -> int:
+def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool, lazy: bool = False,
+               pair_max: bool = False) -> int:
     """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
-    D split: fp32 score halves), the row maxima and sums (and the seesaw's LAZY_SS row), the
+    D split: fp32 score halves), the row maxima and sums (and the seesaw's flag rows), the
     FP8 staging (``staged``), the output store's conversion scratch (:func:`_store_rows`)."""
     exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
     return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange
-            + (8 + int(lazy and seesaw)) * HEADS * 4
+            + (8 + (int(lazy) + 2 * int(pair_max)) * int(seesaw)) * HEADS * 4
             + (_fp8_staging_bytes(block_n) if staged else 0) + STORE_SCRATCH)
 
 
 def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
-              seesaw: bool = True, lazy: bool = False) -> bool:
+              seesaw: bool = True, lazy: bool = False, pair_max: bool = False) -> bool:
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
     shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
     in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
@@ -847,7 +857,7 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     if not (H == HEADS and D == DIM and d_v == DIM and q.is_contiguous() and q.data_ptr() % 16 == 0
             and kv.dim() == 2 and kv.is_contiguous() and kv.data_ptr() % 16 == 0):
         return False
-    if smem_bytes(block_n, num_buf, seesaw, fp8, lazy) > SMEM_LIMIT:
+    if smem_bytes(block_n, num_buf, seesaw, fp8, lazy, pair_max) > SMEM_LIMIT:
         return False
     if fp8:
         return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
@@ -871,7 +881,7 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
                   lazy=False, seesaw=False, scan_n=512, merge_pair=False, part16=False,
-                  pdl=False, pingpong=False, p_swizzle=False):
+                  pdl=False, pair_max=False, p_swizzle=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
@@ -884,13 +894,13 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
-    launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``pingpong``: the seesaw
-    consumers' scores take turns (the kernel's PINGPONG); ``p_swizzle``: the seesaw's P
+    launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``pair_max``: the seesaw
+    consumers' running max moves once a pair (PAIR_MAX); ``p_swizzle``: the seesaw's P
     exchange buffers swizzled (P_SWIZZLE)."""
     from dsv4lab.kernels.device import pdl_ok
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    need = smem_bytes(block_n, num_buf, seesaw, fp8, lazy)
+    need = smem_bytes(block_n, num_buf, seesaw, fp8, lazy, pair_max)
     if (fp8 and block_n != 32) or need > SMEM_LIMIT:
         # Q 64 KB + the ring + the exchange (+ FP8: two staging slots of raw rows, 36 KB)
         rule = "the FP8 cache takes 32-row tiles in at most 3 ring buffers; " if fp8 else ""
@@ -925,7 +935,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
-        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, PINGPONG=bool(pingpong) and seesaw,
+        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, PAIR_MAX=bool(pair_max) and seesaw,
         P_SWIZZLE=bool(p_swizzle) and seesaw)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
