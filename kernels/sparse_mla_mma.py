@@ -578,10 +578,8 @@ class Config(NamedTuple):
     on a normalised output, before the combine's fp32 sum); ``pdl``: the combine kernel
     launched as a programmatic dependent launch (sm_90+; ignored elsewhere): the split
     kernel lets it be scheduled at once, and it waits (``griddepcontrol.wait``) for the
-    split kernel's results, so its launch overlaps the split kernel's tail; ``pair_max``:
-    with ``ws`` and ``seesaw``, a consumer's running max moves once a pair of tiles (one
-    accumulator rescale a pair, not two); ``p_swizzle``: with ``ws`` and ``seesaw``, the P
-    exchange buffers swizzled."""
+    split kernel's results, so its launch overlaps the split kernel's tail; ``p_swizzle``:
+    with ``ws`` and ``seesaw``, the P exchange buffers swizzled."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -599,7 +597,6 @@ class Config(NamedTuple):
     merge_pair: bool = False
     part16: bool = False
     pdl: bool = False
-    pair_max: bool = False
     p_swizzle: bool = False
 
 
@@ -775,19 +772,14 @@ VARIANTS: dict = {
     "ws_ss_n32_b4_lazy_p16_pdl": Config(32, 8, 4, 64, lazy=True, ws=True, seesaw=True,
                                         part16=True, pdl=True),
     "ws_ss_n32_b3_lazy": Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True),
-    # the P exchange swizzled (P_SWIZZLE, in the table since 45aeb45) and the running max
-    # moved once a pair (PAIR_MAX). Removed after its rows at 45aeb45: PINGPONG, the two
-    # consumers' scores taking turns on two mbarriers (ws_ss_n32_b4_pp 62.1 / 187.6 us at
-    # B64 S1 / B128 S2 against ws_ss_n32_b4's 61.3 / 183.1; slower at all eight mid/large
-    # shapes of an A/B printout at 3b2a51d)
+    # the P exchange swizzled (P_SWIZZLE; in the table since 45aeb45). Tried and removed
+    # (kernels/sparse_mla_ws.py's docstring has the figures): PINGPONG, the consumers'
+    # scores in turn (rows at 45aeb45: ws_ss_n32_b4_pp), and PAIR_MAX, the held max moved
+    # once a pair (A/B printout at 542956a)
     "ws_ss_n32_b4_psw": Config(32, 8, 4, 64, ws=True, seesaw=True, p_swizzle=True),
     "ws_ss_n32_b3_psw": Config(32, 8, 3, 64, ws=True, seesaw=True, p_swizzle=True),
-    "ws_ss_n32_b4_pm_psw": Config(32, 8, 4, 64, ws=True, seesaw=True, pair_max=True,
-                                  p_swizzle=True),
-    "ws_ss_n32_b4_pm_psw_p16_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, pair_max=True,
-                                          p_swizzle=True, part16=True, pdl=True),
-    "ws_ss_n32_b3_pm_lazy_psw": Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True,
-                                       pair_max=True, p_swizzle=True),
+    "ws_ss_n32_b4_psw_p16_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, p_swizzle=True,
+                                       part16=True, pdl=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class
@@ -945,13 +937,12 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     if config.ws and block_h == 64 and gluon_unsupported() is None:
         from dsv4lab.kernels import sparse_mla_ws
         if sparse_mla_ws.supported(q, kv, fp8, d_v, config.block_n, config.num_stages, config.seesaw,
-                                   config.lazy, config.pair_max):
+                                   config.lazy):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
                                                block_n=config.block_n, num_buf=config.num_stages,
                                                lazy=config.lazy, seesaw=config.seesaw,
                                                merge_pair=config.merge_pair,
                                                part16=config.part16, pdl=config.pdl,
-                                               pair_max=config.pair_max,
                                                p_swizzle=config.p_swizzle)
     launch(config)
     if split:

@@ -102,6 +102,33 @@ halved, or the tiles faster. By arithmetic (not measured): each wgmma of a tile'
 memory; 64-row units (4 KB for 64K) would balance them, but the seesaw's ring of three
 such units does not fit beside Q.
 
+The seesaw's knobs, and what they were worth (H200; "A/B" is a scripts/ab_sparse_mla.py
+printout, "rows" are `dsv4lab bench sparse_mla` rows). A Nsight Compute reading of the
+consumers at B 64 / S_q 1 (at 45aeb45, a printout, clocks at base) put their stall samples in
+the scores' wgmma (about 27%), the softmax (18%), publishing P (8-15%) and waiting for the
+other consumer's P (10-14%, consumer 0 more: it runs ahead); the producer mostly waits for
+a free buffer. So the chain's latency, not its instruction count, sets the pace:
+
+* ``P_SWIZZLE`` (the H200 table's mid/large entries since 45aeb45): the P exchange buffers
+  NVMMA-swizzled. Unswizzled 64-byte rows put an 8 x 8 stmatrix / ldmatrix block's eight
+  rows in two bank groups. A/B at 3b2a51d: faster at all eight mid/large shapes, 0.3-2.8%
+  (B128 S2 184.7 -> 179.5 us, B64 S1 58.4 -> 58.0).
+* ``LAZY_SS`` (Config.lazy; the table's FP8 large entry): the held max moves, and the two
+  [64, 256] rescales of a pair run, only once a head's scores exceed it by 2^8
+  (:func:`_next_max`). Its decision is a warp-group reduction; bf16 is slower everywhere
+  (B128 S2 182.8 -> 202.3, B64 S1 58.2 -> 61.5, A/B at 5db5ef5), FP8 faster at large
+  shapes, where the producer's dequantisation shares the issue slots (B128 S2 266.7 ->
+  259.9, B128 S4 527.2 -> 510.0) and slower at mid ones (B64 S1 74.5 -> 76.4).
+* Tried and removed: PINGPONG, the two consumers' scores taking turns on a pair of
+  mbarriers so that one's softmax overlaps the other's wgmma: slower at all eight shapes
+  (A/B at 3b2a51d: B128 S4 358.4 -> 387.8; rows at 45aeb45, ws_ss_n32_b4_pp 62.1 / 187.6
+  against 61.3 / 183.1). PAIR_MAX, the held max moved once a pair (P published against the
+  tile's max, one rescale a pair, both P V issued back to back; 224 fewer FMUL in the
+  sm_90 SASS): slower at all nine bf16 shapes of an A/B at 542956a (B128 S4 336.6 ->
+  346.6, B64 S1 57.4 -> 58.1), as the own tile's P V then waits for the other's P.
+  Staging the output rows through Q's freed shared memory (stmatrix, one barrier) compiled
+  to as many instructions as the register conversion and was not timed.
+
 Scope: bf16 (or fp16) q and KV cache, or bf16 q and the FP8 cache, H = 64 heads (one
 block), D = d_v = 512, on capability 9.x and 10.x with Triton's Gluon; everything else
 (the interpreter, sm_80, sm_120, fp16 q with FP8, other shapes) runs
@@ -581,9 +608,7 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # the kernel's LAZY_SS and PAIR_MAX (see there), read off m_smem's extra rows
-    LAZY: gl.constexpr = (m_smem.type.shape[0] - 8) % 2 == 1
-    PAIR: gl.constexpr = (m_smem.type.shape[0] - 8) // 2 == 1
+    LAZY: gl.constexpr = m_smem.type.shape[0] > 8       # the kernel's LAZY_SS (see there)
 
     m_i = gl.full([HEADS], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([HEADS], gl.float32, layout=row_l)
@@ -608,35 +633,28 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         kv = kv_smem.index(buf)
         s = warpgroup_mma(q_smem, kv.permute([1, 0]), s0, use_acc=False)
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        if PAIR:    # P against max(held max, tile max); the held max moves once, below
-            m_pub = gl.maximum(m_i, gl.max(s, axis=1))
-            p32 = gl.exp2(s - gl.where(m_pub == float("-inf"), 0.0, m_pub)[:, None])
-            rsum = gl.sum(p32, axis=1)
-        else:
-            m_new, grow = _next_max(m_i, gl.max(s, axis=1), LAZY)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p32 = gl.exp2(s - m_safe[:, None])
-            rsum = gl.sum(p32, axis=1)
-            l_i = l_i * alpha + rsum
-            m_i = m_new
-            m_pub = m_i
-            if grow:
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        m_new, grow = _next_max(m_i, gl.max(s, axis=1), LAZY)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p32 = gl.exp2(s - m_safe[:, None])
+        rsum = gl.sum(p32, axis=1)
         p = p32.to(kv_smem.dtype)
+        l_i = l_i * alpha + rsum
+        m_i = m_new
+        if grow:
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         # publish P, the max it is relative to and its fp32 row sums (the sums of the
         # rounded P would put a bf16 rounding into the other consumer's log-sum-exp); two
         # buffers a side, the reader frees one
         mine = W * 2 + par
         mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
         p_smem.index(mine).store(p)
-        m_smem.index(mine).store(m_pub)
+        m_smem.index(mine).store(m_i)
         m_smem.index(4 + mine).store(rsum)
         cta_barrier()
         mbarrier.arrive(p_ready.index(mine), count=1)
-        if not PAIR:
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1),
-                                acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), kv.slice(W * HALF, HALF, dim=1), acc,
+                            is_async=True)
         # the other consumer's tile of the pair, rescaled to this consumer's running max
         theirs = (1 - W) * 2 + par
         t2 = 2 * j + 1 - W
@@ -647,30 +665,16 @@ def _consumer_ss(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_
         rsum_o = m_smem.index(4 + theirs).load(row_l)
         cta_barrier()
         mbarrier.arrive(p_free.index(theirs), count=1)
-        if PAIR:    # the held max moves once a pair: one [64, 256] rescale, the two P V back to back
-            m_new, grow = _next_max(m_i, gl.maximum(m_pub, m_o), LAZY)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            b_own = gl.exp2(m_pub - m_safe)
-            beta = gl.exp2(m_o - m_safe)
-            l_i = l_i * alpha + rsum * b_own + rsum_o * beta
-            m_i = m_new
-            if grow:
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-            p_own = gl.convert_layout((p32 * b_own[:, None]).to(kv_smem.dtype), p_layout)
-            acc = warpgroup_mma(p_own, kv.slice(W * HALF, HALF, dim=1), acc, is_async=True)
-            p2 = p_o * beta[:, None]
-        else:
-            m_new, grow = _next_max(m_i, m_o, LAZY)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            beta = gl.exp2(m_o - m_safe)
-            p2 = p_o * beta[:, None]
-            l_i = l_i * alpha + rsum_o * beta
-            m_i = m_new
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            if grow:
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+        m_new, grow = _next_max(m_i, m_o, LAZY)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        beta = gl.exp2(m_o - m_safe)
+        p2 = p_o * beta[:, None]
+        l_i = l_i * alpha + rsum_o * beta
+        m_i = m_new
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if grow:
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
         mbarrier.wait(kv_ready.index(buf2), (t2 // NUM_BUF) & 1)
         acc = warpgroup_mma(gl.convert_layout(p2.to(kv_smem.dtype), p_layout),
                             kv_smem.index(buf2).slice(W * HALF, HALF, dim=1), acc, is_async=True)
@@ -726,8 +730,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
                           FP8: gl.constexpr = False, PDL: gl.constexpr = False,
-                          LAZY_SS: gl.constexpr = False, PAIR_MAX: gl.constexpr = False,
-                          P_SWIZZLE: gl.constexpr = False):
+                          LAZY_SS: gl.constexpr = False, P_SWIZZLE: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
@@ -758,10 +761,9 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     else:           # score swap: fp32 halves
         s_smem = gl.allocate_shared_memory(gl.float32, [2 * S_BUFS, HEADS, BLOCK_N],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer;
-    # unused rows after them tell the seesaw consumers LAZY_SS (one) and PAIR_MAX (two), as
-    # no constexpr reaches a partition
-    m_smem = gl.allocate_shared_memory(gl.float32, [8 + LAZY_SS + 2 * PAIR_MAX, HEADS],
+    # seesaw: the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer; a
+    # ninth (unused) row tells the seesaw consumers LAZY_SS, as no constexpr reaches them
+    m_smem = gl.allocate_shared_memory(gl.float32, [8 + LAZY_SS, HEADS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -829,19 +831,18 @@ def s_bufs(block_n: int, num_buf: int, staged: bool = False) -> int:
 STORE_SCRATCH = 3856         # the output store's layout conversion (sm_90 compile, Triton 3.6)
 
 
-def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool, lazy: bool = False,
-               pair_max: bool = False) -> int:
+def smem_bytes(block_n: int, num_buf: int, seesaw: bool, staged: bool, lazy: bool = False) -> int:
     """Shared memory of a launch: Q, the ring, the exchange (seesaw: bf16 P [4, 64, block_n];
-    D split: fp32 score halves), the row maxima and sums (and the seesaw's flag rows), the
+    D split: fp32 score halves), the row maxima and sums (and the seesaw's LAZY_SS row), the
     FP8 staging (``staged``), the output store's conversion scratch (:func:`_store_rows`)."""
     exchange = 4 * HEADS * block_n * 2 if seesaw else 2 * s_bufs(block_n, num_buf, staged) * HEADS * block_n * 4
     return (HEADS * DIM * 2 + num_buf * block_n * DIM * 2 + exchange
-            + (8 + (int(lazy) + 2 * int(pair_max)) * int(seesaw)) * HEADS * 4
+            + (8 + int(lazy and seesaw)) * HEADS * 4
             + (_fp8_staging_bytes(block_n) if staged else 0) + STORE_SCRATCH)
 
 
 def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
-              seesaw: bool = True, lazy: bool = False, pair_max: bool = False) -> bool:
+              seesaw: bool = True, lazy: bool = False) -> bool:
     """Whether this kernel takes the call: a Hopper-or-newer datacenter GPU (227 KB of
     shared memory; sm_120 has 99 KB), 64 heads, D = d_v = 512, and either a 16-bit cache
     in q's dtype or (``fp8``) the 584-byte FP8 cache with bf16 q (its RoPE part is bf16,
@@ -857,7 +858,7 @@ def supported(q, kv, fp8: bool, d_v: int, block_n: int = 32, num_buf: int = 3,
     if not (H == HEADS and D == DIM and d_v == DIM and q.is_contiguous() and q.data_ptr() % 16 == 0
             and kv.dim() == 2 and kv.is_contiguous() and kv.data_ptr() % 16 == 0):
         return False
-    if smem_bytes(block_n, num_buf, seesaw, fp8, lazy, pair_max) > SMEM_LIMIT:
+    if smem_bytes(block_n, num_buf, seesaw, fp8, lazy) > SMEM_LIMIT:
         return False
     if fp8:
         return (q.dtype == torch.bfloat16 and kv.dtype == torch.uint8 and kv.shape[-1] == FP8_ROW_BYTES
@@ -881,7 +882,7 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
                   lazy=False, seesaw=False, scan_n=512, merge_pair=False, part16=False,
-                  pdl=False, pair_max=False, p_swizzle=False):
+                  pdl=False, p_swizzle=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
@@ -894,13 +895,12 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     with exactly two split-KV ranges the two programs of a query merge their partials
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
-    launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``pair_max``: the seesaw
-    consumers' running max moves once a pair (PAIR_MAX); ``p_swizzle``: the seesaw's P
+    launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``p_swizzle``: the seesaw's P
     exchange buffers swizzled (P_SWIZZLE)."""
     from dsv4lab.kernels.device import pdl_ok
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
-    need = smem_bytes(block_n, num_buf, seesaw, fp8, lazy, pair_max)
+    need = smem_bytes(block_n, num_buf, seesaw, fp8, lazy)
     if (fp8 and block_n != 32) or need > SMEM_LIMIT:
         # Q 64 KB + the ring + the exchange (+ FP8: two staging slots of raw rows, 36 KB)
         rule = "the FP8 cache takes 32-row tiles in at most 3 ring buffers; " if fp8 else ""
@@ -935,8 +935,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
-        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, PAIR_MAX=bool(pair_max) and seesaw,
-        P_SWIZZLE=bool(p_swizzle) and seesaw)
+        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, P_SWIZZLE=bool(p_swizzle) and seesaw)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse

@@ -735,8 +735,7 @@ def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None, out_atol_factor
                                         (128, 2, 2048), (3, 4, 777), (5, 1, 1), (2, 3, 33)])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_n32_b3_lazy", "ws_ss_n32_b3",
-                                     "ws_ss_n32_b4", "ws_ss_n32_b4_lazy", "ws_ss_n32_b4_pm_psw",
-                                     "ws_ss_n32_b4_psw"])
+                                     "ws_ss_n32_b4", "ws_ss_n32_b4_lazy", "ws_ss_n32_b4_psw"])
 def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
     """Real shapes, -1 slots, duplicates, an all -1 query, topk 1 / 33 / 777 (not a
     multiple of the 32-row tile), with the planned split-KV."""
@@ -750,7 +749,7 @@ def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl",
-                                     "ws_ss_n32_b4_lazy_p16_pdl", "ws_ss_n32_b4_pm_psw_p16_pdl"])
+                                     "ws_ss_n32_b4_lazy_p16_pdl", "ws_ss_n32_b4_psw_p16_pdl"])
 def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
     """Forced split counts (1 = unsplit) and fp16; a -1 tail inside one split."""
     q, kv, idx, snk = make_case(6, 2, 64, 512, 8192, 1500, dtype=dtype, sink=True, seed=splits,
@@ -762,7 +761,7 @@ def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_lazy",
-                                     "ws_ss_n32_b4_pm_psw"])
+                                     "ws_ss_n32_b4_psw"])
 def test_gpu_ws_ratio128_long_lists(variant):
     """A ratio-128 layer's max-context list (-1 up to 8320 slots): trimmed, same answer."""
     q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, sink=True, empty_frac=0.0,
@@ -776,7 +775,7 @@ def test_gpu_ws_ratio128_long_lists(variant):
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("variant", ["ws_ss_n32_b4", "ws_ss_n32_b4_lazy", "ws_ss_n32_b4_lazy_p16_pdl",
-                                     "ws_n32_b3_lazy", "ws_ss_n32_b4_pm_psw_p16_pdl"])
+                                     "ws_n32_b3_lazy", "ws_ss_n32_b4_psw_p16_pdl"])
 def test_gpu_ws_running_max_moves(splits, variant):
     """Scores built to move the running max, head by head (softmax_scale 1): a ramp that
     climbs ~41 (base 2) every 32-row tile (far past the lazy rescale's 2^8 slack; 1843
@@ -816,7 +815,7 @@ def test_gpu_ws_running_max_moves(splits, variant):
                                         (5, 1, 1), (2, 3, 33)])
 @pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy",
-                                     "ws_ss_n32_b3_pm_lazy_psw"])
+                                     "ws_ss_n32_b3_psw"])
 def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
     """The FP8 cache (staged raw rows, dequantised by the producer) at real shapes, -1
     slots, duplicates, an all -1 query, topk not a multiple of the tile; the reference
@@ -889,7 +888,7 @@ def _captured(q, kv, idx, snk, config):
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl",
-                                     "ws_ss_n32_b4_lazy_p16_pdl", "ws_ss_n32_b4_pm_psw_p16_pdl"])
+                                     "ws_ss_n32_b4_lazy_p16_pdl", "ws_ss_n32_b4_psw_p16_pdl"])
 def test_gpu_ws_cuda_graph_capture(variant):
     """Replays from a CUDA graph with new inputs in the same buffers (with ``pdl``: the
     combine's programmatic dependency captured as a graph edge)."""
