@@ -939,15 +939,20 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
         if sparse_mla_ws.supported(q, kv, fp8, d_v, config.block_n, config.num_stages, config.seesaw,
                                    config.lazy):
             return sparse_mla_ws.sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows,
-                                               block_n=config.block_n, num_buf=config.num_stages,
-                                               lazy=config.lazy, seesaw=config.seesaw,
-                                               merge_pair=config.merge_pair,
-                                               part16=config.part16, pdl=config.pdl,
-                                               p_swizzle=config.p_swizzle)
+                                               **ws_launch_args(config))
     launch(config)
     if split:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=bool(config.pdl) and pdl_ok(dev))
     return out, lse
+
+
+def ws_launch_args(config: Config) -> dict:
+    """The keyword arguments of kernels/sparse_mla_ws.py's launcher that ``config`` sets
+    (a CPU test keeps them equal to its keywords, so a knob added to one side only fails
+    there, not on the first GPU call)."""
+    return dict(block_n=config.block_n, num_buf=config.num_stages, lazy=config.lazy,
+                seesaw=config.seesaw, merge_pair=config.merge_pair, part16=config.part16,
+                pdl=config.pdl, p_swizzle=config.p_swizzle)
 
 
 def _pick_config(dev, block_h, key, launch, tune):

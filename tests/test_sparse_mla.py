@@ -718,6 +718,19 @@ def test_ws_applies_only_where_it_can():
                                     block_n=64, num_buf=2)
 
 
+def test_ws_launch_args_match_the_launcher():
+    """Every keyword the dispatcher hands the warp-specialised launcher is one of its
+    keywords, and every keyword of the launcher but ``scan_n`` (a fixed scan width) comes
+    from the Config (CPU: the signature only, no launch)."""
+    import inspect
+    from dsv4lab.kernels import sparse_mla_ws
+    from dsv4lab.kernels.sparse_mla_mma import VARIANTS, ws_launch_args
+    params = inspect.signature(sparse_mla_ws.sparse_mla_ws).parameters
+    keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    for cfg in VARIANTS.values():
+        assert set(ws_launch_args(cfg)) == keywords - {"scan_n"}
+
+
 def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None, out_atol_factor=1):
     """The variant (forced split count) against the reference -> its (out, lse)."""
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
