@@ -154,7 +154,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from dsv4lab.kernels.device import gluon_unsupported, pdl_ok
-from dsv4lab.kernels.gluon_compat import cta_barrier
+from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
@@ -348,9 +348,9 @@ def _issue_mat(w_smem, s_smem, idx, w_rows, s_rows, nm_w, nm_s, k, live,
     SCW: gl.constexpr = s_smem.type.shape[2]
     cb = gl.arange(0, SEG_BYTES, layout=gl.SliceLayout(0, CPW))
     cs = gl.arange(0, SCW, layout=gl.SliceLayout(0, CPS))
-    async_copy.async_copy_global_to_shared(
+    async_load(
         w_smem.index(idx), w_rows[:, None] + (k * SEG_BYTES + cb)[None, :], mask=nm_w[:, None] & live)
-    async_copy.async_copy_global_to_shared(
+    async_load(
         s_smem.index(idx), s_rows[:, None] + (k * NSC + cs % NSC)[None, :],
         mask=nm_s[:, None] & live & (cs < NSC)[None, :])
 
@@ -378,7 +378,7 @@ def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_r
             _issue_mat(w_smem, s_smem, (slot * NMAT + 1) * NSPS + j, w1, s1, m1w, m1s, k, live,
                        NSC, CPW, CPS)
         for h in gl.static_range(2):
-            async_copy.async_copy_global_to_shared(
+            async_load(
                 x_smem.index((slot * NSPS + j) * 2 + h),
                 x_rows[:, None] + (k * 128 + h * 64 + cx)[None, :], mask=xm)
     async_copy.commit_group()

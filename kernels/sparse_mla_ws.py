@@ -144,7 +144,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from dsv4lab.kernels.device import gluon_unsupported
-from dsv4lab.kernels.gluon_compat import cta_barrier
+from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
 
 HEADS = gl.constexpr(64)
 DIM = gl.constexpr(512)
@@ -347,7 +347,7 @@ def _load_q(q_row, q_smem, q_bar):
     gather: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, gather))
     h = gl.arange(0, HEADS, layout=gl.SliceLayout(1, gather))
-    async_copy.async_copy_global_to_shared(q_smem, q_row + h[:, None] * DIM + cols[None, :])
+    async_load(q_smem, q_row + h[:, None] * DIM + cols[None, :])
     async_copy.mbarrier_arrive(q_bar)
     mbarrier.arrive(q_bar, count=1)
 
@@ -395,7 +395,7 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
         idx = _slots(idx_row, start, end, i + 1, BLOCK_N, rows_l)     # tile i + 1's slots
         mbarrier.wait(kv_empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
         # masked rows are zero-filled: P = 0 there, and 0 * V stays 0
-        async_copy.async_copy_global_to_shared(kv_smem.index(buf), ptrs, mask=valid[:, None])
+        async_load(kv_smem.index(buf), ptrs, mask=valid[:, None])
         async_copy.mbarrier_arrive(kv_ready.index(buf))
         mbarrier.arrive(kv_ready.index(buf), count=1)
         if i == 0:
@@ -412,11 +412,10 @@ def _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, slot):
     row = gl.where(valid, idx, 0).to(gl.int64)[:, None]
     m = valid[:, None]
     for j in gl.static_range(7):
-        async_copy.async_copy_global_to_shared(nope_stage.index(7 * slot + j),
-                                               kv_ptr + row * FP8_ROW + 64 * j + c[None, :], mask=m)
+        async_load(nope_stage.index(7 * slot + j), kv_ptr + row * FP8_ROW + 64 * j + c[None, :],
+                   mask=m)
     rope_ptr = kv_ptr.to(gl.pointer_type(rope_stage.dtype))
-    async_copy.async_copy_global_to_shared(rope_stage.index(slot),
-                                           rope_ptr + row * (FP8_ROW // 2) + 224 + c[None, :], mask=m)
+    async_load(rope_stage.index(slot), rope_ptr + row * (FP8_ROW // 2) + 224 + c[None, :], mask=m)
     async_copy.commit_group()
 
 

@@ -19,31 +19,16 @@ registers allow 7).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import re
-import subprocess
 import sys
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gluon_sass  # noqa: E402
+
 DEFAULTS = dict(IS_NV=False, HAS_LIMIT=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=2, STAGES=3,
                 NSPS1=2, NSPS2=2, PREFETCH=True, num_warps=4, ACC_SCALE=False, PDL=False, REGS=0)
-
-
-def _kernels():
-    """kernels/moe_mma2.py imported on its own (``import dsv4lab`` would switch a machine without
-    a GPU to Triton's interpreter), and moe.py's FASTDEC asm."""
-    for name in ("dsv4lab", "dsv4lab.kernels"):
-        sys.modules.setdefault(name, types.ModuleType(name)).__path__ = [str(ROOT / "kernels")]
-    spec = importlib.util.spec_from_file_location("dsv4lab.kernels.moe_mma2", ROOT / "kernels/moe_mma2.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    fastdec = re.search(r'FASTDEC_ASM = """(.*?)"""', (ROOT / "kernels/moe.py").read_text(), re.S).group(1)
-    return mod, fastdec
 
 
 def _signature(fn, consts):
@@ -77,46 +62,23 @@ def main() -> int:
     ap.add_argument("--triton-site", default=None)
     ap.add_argument("--out", default="/tmp/moe_dec")
     args = ap.parse_args()
-    if args.triton_site:
-        sys.path.insert(0, args.triton_site)
-    os.environ.pop("TRITON_INTERPRET", None)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    mod, fastdec = _kernels()
+    gluon_sass.use_triton(args.triton_site)
+    mod = gluon_sass.kernel_module("moe_mma2")
+    # moe.py's FASTDEC asm, read as text (importing moe.py would import dsv4lab)
+    fastdec = re.search(r'FASTDEC_ASM = """(.*?)"""', (gluon_sass.ROOT / "kernels/moe.py").read_text(),
+                        re.S).group(1)
     consts = dict(DEFAULTS, ASM={"cvt8": mod.CVT8_ASM, "fastdec": fastdec, "raw": mod.CVT8_RAW_ASM}[args.asm])
     if args.asm == "raw":
         consts["ACC_SCALE"] = True
     consts.update(json.loads(args.consts))
     fn = mod._decode_kernel
-    for p in fn.params:         # the kernel's own constexpr defaults (EVICT, EARLY, ...)
-        if p.is_constexpr and p.name not in consts and p.has_default:
-            consts[p.name] = p.default
+    consts = gluon_sass.with_defaults(fn, consts)      # the kernel's own (EVICT, EARLY, ...)
     sig = _signature(fn, consts)
     aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride") or k in ("I", "H")]
-    src = GluonASTSource(fn=fn, signature=sig,
-                         constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                         attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
-    opts = dict(num_warps=consts["num_warps"], **({"maxnreg": args.maxnreg} if args.maxnreg else {}))
-    ck = triton.compile(src, target=GPUTarget("cuda", args.cc, 32), options=opts)
-    Path(args.out + ".ptx").write_text(ck.asm["ptx"])
-    Path(args.out + ".cubin").write_bytes(ck.asm["cubin"])
-    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    sass = subprocess.run([tool, "-sass", args.out + ".cubin"], capture_output=True, text=True).stdout
-    Path(args.out + ".sass").write_text(sass)
-    usage = subprocess.run([tool, "-res-usage", args.out + ".cubin"], capture_output=True, text=True).stdout
-    loops = []
-    for m in re.finditer(r"/\*([0-9a-f]{4})\*/[^;]*BRA (0x[0-9a-f]+)", sass):
-        at, to = int(m.group(1), 16), int(m.group(2), 16)
-        if to < at:
-            loops.append((at - to) // 16 + 1)
-    reg = re.search(r"REG:(\d+)", usage)
-    n_instr = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
-    print(f"triton {triton.__version__}, sm_{args.cc}: registers {reg.group(1) if reg else '?'}, "
-          f"spill stores {len(re.findall(r'STL', sass))}, shared {ck.metadata.shared} B, "
-          f"{n_instr} instructions, "
-          f"HMMA {len(re.findall(r'HMMA', sass))}, loop lengths {loops}")
+    report = gluon_sass.compile_report(fn, sig, consts, aligned, cc=args.cc,
+                                       num_warps=consts["num_warps"], maxnreg=args.maxnreg,
+                                       out=args.out)
+    print(gluon_sass.summary(report))
     return 0
 
 
