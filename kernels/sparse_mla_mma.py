@@ -630,10 +630,10 @@ DEVICE_TABLE: dict = {
         # 10.8 / 10.7); pdl faster at B1 S1 T640 (9.9 with both) and B1 S4 T640 (15.9 / 13.7
         # with both) but slower at B1 S4 T2048 (27.8) and B8 S1 T2048 (29.3), so the small
         # class (3-16 query rows) takes p16 alone
-        # p_swizzle (the P exchange swizzled) since 3b2a51d: faster at all eight mid/large
-        # shapes of an A/B printout there (scripts/ab_sparse_mla.py --knobs pingpong,p_swizzle;
-        # e.g. B128 S2 T2048 184.7 -> 179.5 us, B128 S1 97.9 -> 95.8, B16 S4 54.1 -> 53.0,
-        # B64 S1 58.4 -> 58.0); pingpong slower at all eight (B128 S4 358.4 -> 387.8)
+        # p_swizzle (the P exchange swizzled) since 45aeb45: faster at all eight mid/large
+        # shapes of an A/B printout at 3b2a51d (scripts/ab_sparse_mla.py --knobs
+        # pingpong,p_swizzle; e.g. B128 S2 T2048 184.7 -> 179.5 us, B128 S1 97.9 -> 95.8, B16 S4
+        # 54.1 -> 53.0, B64 S1 58.4 -> 58.0); rows at 45aeb45: B64 S1 58.1, B128 S2 181.2
         ("bf16", "large"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True,
                                   p_swizzle=True),
         ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True,
@@ -648,12 +648,13 @@ DEVICE_TABLE: dict = {
         # for the previous entry, fp8fast_sqk_pg_n64_s3 = Config(64, 8, 3, 64, pipe_gather=True,
         # fp8_fast=True, split_qk=True) (which had replaced Config(64, 8, 2): 571.3 us). Elsewhere
         # (sm_80, sm_120, fp16 q) this entry runs the plain loop at N32 w8 s3.
-        # fp8 large takes the seesaw's lazy rescale since 3b2a51d: faster at the four large
+        # fp8 large takes the seesaw's lazy rescale since 45aeb45: faster at the four large
         # shapes of A/B printouts at 5db5ef5 and 3b2a51d (B128 S2 T2048 266.7 -> 259.9 and
         # 262.6 -> 259.6 us, B128 S4 527.2 -> 510.0 and 513.3 -> 506.0, B128 S1 135.8 -> 134.8,
         # B64 S2 T640 54.0 -> 53.5), slower at the mid ones (B64 S1 74.5 -> 76.4, B32 S2 74.3
         # -> 76.6, B16 S4 70.9 -> 73.3; bf16 slower everywhere: B128 S2 182.8 -> 202.3);
-        # p_swizzle as bf16's
+        # p_swizzle as bf16's. Rows at 45aeb45: B128 S2 247.0 us, B64 S1 72.6 (263.3 / 74.8
+        # at 50c1cf7)
         ("fp8", "large"): Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True, part16=True,
                                  pdl=True, p_swizzle=True),
         ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True,
