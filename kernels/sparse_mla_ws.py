@@ -94,7 +94,9 @@ first gather waits behind it; loading tile 0's indices before Q and moving the -
 the kernel's top changed nothing: rows at ee7fead, reverted), the 32 tiles take 1.25 us
 each (40.0 us), the epilogue (normalise, store the fp32 partials) 3.8 us, and the last
 program ends 2.6 us after the median; then the combine kernel (~5 us in a torch profiler
-reading). At B 128 / S_q 1 (no split, 64 tiles): 6.4 us, 1.25 us a tile, 3.1 us. Reaching
+reading). At B 128 / S_q 1 (no split, 64 tiles): 6.4 us, 1.25 us a tile, 3.1 us. (Rows at
+1b1e7ca, with bf16 partials and the swizzled exchange: B 64 / S_q 1 5.9 us, 1.24 us a tile,
+a 2.0 us epilogue, the last program 3.1 us after the median; B 128 / S_q 1 6.4, 1.24, 2.8.) Reaching
 60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needs that fixed cost roughly
 halved, or the tiles faster. By arithmetic (not measured): each wgmma of a tile's scores
 (M 64, N 32, K 16) reads 3 KB of shared memory (Q's 2 KB, K's 1 KB) for 32K multiply-adds,
