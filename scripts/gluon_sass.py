@@ -8,6 +8,7 @@ offline, not measurements: the device's own compile has differed (kernels/moe_mm
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -17,6 +18,31 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """The scripts' common arguments: the constexprs (JSON), --cc, --triton-site, --out."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("consts", nargs="?", default="{}", help="JSON: constexprs over the defaults")
+    ap.add_argument("--cc", type=int, default=90, help="compute capability (90: sm_90)")
+    ap.add_argument("--triton-site", default=None,
+                    help="a directory holding the Triton to compile with, ahead of the installed one")
+    ap.add_argument("--out", default=out, help="where .ptx / .cubin / .sass go (a path stem)")
+    return ap
+
+
+def signature(fn, consts: dict, types: dict, pointer: str, scalars: dict) -> dict:
+    """``fn``'s parameter types for compiling: "constexpr" for those in ``consts``, else
+    ``types[name]``, else ``pointer`` for a *_ptr, else ``scalars.get(name, "i32")``."""
+    sig = {}
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in types:
+            sig[n] = types[n]
+        else:
+            sig[n] = pointer if n.endswith("_ptr") else scalars.get(n, "i32")
+    return sig
 
 
 def use_triton(site: str | None = None):

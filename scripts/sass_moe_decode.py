@@ -18,7 +18,6 @@ registers allow 7).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -31,36 +30,16 @@ DEFAULTS = dict(IS_NV=False, HAS_LIMIT=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=2,
                 NSPS1=2, NSPS2=2, PREFETCH=True, num_warps=4, ACC_SCALE=False, PDL=False, REGS=0)
 
 
-def _signature(fn, consts):
-    sig = {}
-    for n in fn.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in ("w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr"):
-            sig[n] = "*u8"
-        elif n in ("xp_ptr", "act_ptr"):
-            sig[n] = "*fp16"
-        elif n == "out_ptr":
-            sig[n] = "*bf16"
-        elif n in ("g13_ptr", "g2_ptr", "topk_w_ptr", "ypair_ptr", "part_ptr"):
-            sig[n] = "*fp32"
-        elif n == "stamps_ptr":
-            sig[n] = "*i64"
-        elif n.endswith("_ptr"):
-            sig[n] = "*i32"
-        else:
-            sig[n] = "fp32" if n == "swiglu_limit" else "i32"
-    return sig
+# the decode kernel's pointers other than int32 ones, and its float scalar
+TYPES = {"w13_ptr": "*u8", "s13_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8", "xp_ptr": "*fp16",
+         "act_ptr": "*fp16", "out_ptr": "*bf16", "g13_ptr": "*fp32", "g2_ptr": "*fp32",
+         "topk_w_ptr": "*fp32", "ypair_ptr": "*fp32", "part_ptr": "*fp32", "stamps_ptr": "*i64"}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("consts", nargs="?", default="{}", help="JSON: constexprs over the defaults")
-    ap.add_argument("--cc", type=int, default=90, help="compute capability (90: sm_90)")
+    ap = gluon_sass.parser(__doc__, "/tmp/moe_dec")
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--asm", choices=("cvt8", "fastdec", "raw"), default="cvt8")
-    ap.add_argument("--triton-site", default=None)
-    ap.add_argument("--out", default="/tmp/moe_dec")
     args = ap.parse_args()
     gluon_sass.use_triton(args.triton_site)
     mod = gluon_sass.kernel_module("moe_mma2")
@@ -73,7 +52,7 @@ def main() -> int:
     consts.update(json.loads(args.consts))
     fn = mod._decode_kernel
     consts = gluon_sass.with_defaults(fn, consts)      # the kernel's own (EVICT, EARLY, ...)
-    sig = _signature(fn, consts)
+    sig = gluon_sass.signature(fn, consts, TYPES, "*i32", {"swiglu_limit": "fp32"})
     aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride") or k in ("I", "H")]
     report = gluon_sass.compile_report(fn, sig, consts, aligned, cc=args.cc,
                                        num_warps=consts["num_warps"], maxnreg=args.maxnreg,

@@ -15,7 +15,6 @@ figures, not measurements.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,40 +27,19 @@ DEFAULTS = dict(BLOCK_N=32, NUM_BUF=4, SEESAW=True, HAS_SINK=True, SPLIT=1, SCAN
                 P_SWIZZLE=True)
 
 
-def _signature(fn, consts):
-    sig = {}
-    for n in fn.arg_names:
-        if n in consts:
-            sig[n] = "constexpr"
-        elif n in ("q_ptr", "out_ptr"):
-            sig[n] = "*bf16"
-        elif n == "kv_ptr":
-            sig[n] = "*u8" if consts["FP8"] else "*bf16"
-        elif n == "opart_ptr":
-            sig[n] = "*bf16"            # part16 partials (the table's split-KV default)
-        elif n in ("idx_ptr", "cnt_ptr"):
-            sig[n] = "*i32"
-        elif n.endswith("_ptr"):
-            sig[n] = "*fp32"
-        else:
-            sig[n] = "fp32" if n == "qk_scale" else "i32"
-    return sig
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("consts", nargs="?", default="{}", help="JSON: constexprs over the defaults")
-    ap.add_argument("--cc", type=int, default=90, help="compute capability (90: sm_90)")
-    ap.add_argument("--triton-site", default=None)
-    ap.add_argument("--out", default="/tmp/mla_ws")
-    args = ap.parse_args()
+    args = gluon_sass.parser(__doc__, "/tmp/mla_ws").parse_args()
     gluon_sass.use_triton(args.triton_site)
     mod = gluon_sass.kernel_module("sparse_mla_ws")
     consts = dict(DEFAULTS, **json.loads(args.consts))
     consts.setdefault("S_BUFS", mod.s_bufs(consts["BLOCK_N"], consts["NUM_BUF"], consts["FP8"]))
     fn = mod._sparse_mla_ws_kernel
     consts = gluon_sass.with_defaults(fn, consts)
-    sig = _signature(fn, consts)
+    # the 16-bit pointers (opart: part16 partials, the table's split-KV default), the int32
+    # ones; every other pointer is fp32
+    types = {"q_ptr": "*bf16", "out_ptr": "*bf16", "opart_ptr": "*bf16", "idx_ptr": "*i32",
+             "cnt_ptr": "*i32", "kv_ptr": "*u8" if consts["FP8"] else "*bf16"}
+    sig = gluon_sass.signature(fn, consts, types, "*fp32", {"qk_scale": "fp32"})
     aligned = [k for k, v in sig.items() if v.startswith("*")]
     report = gluon_sass.compile_report(fn, sig, consts, aligned, cc=args.cc,
                                        num_warps=consts["num_warps"], maxnreg=168, out=args.out)
