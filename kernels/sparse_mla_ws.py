@@ -551,7 +551,7 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
             # move the running max (and rescale acc) only once some head's max grew by more
             # than 2^8: p <= 256 meanwhile, and most tiles skip the [64, 256] multiply.
             # Both consumers hold the same S, so they decide alike.
-            if gl.max(gl.where(m_tile > m_i + LAZY_SLACK, 1, 0), axis=0) > 0:
+            if _max_grew(m_i, m_tile):
                 m_new = gl.maximum(m_i, m_tile)
                 alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
                 l_i = l_i * alpha
@@ -577,15 +577,21 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, s_smem, m_sme
 
 
 @gluon.jit
+def _max_grew(m_i, m_seen):
+    """The lazy rescale's test: some head's ``m_seen`` exceeds its held max ``m_i`` by more
+    than LAZY_SLACK (base 2). One warp-group reduction, so the whole group branches alike."""
+    return gl.max(gl.where(m_seen > m_i + LAZY_SLACK, 1, 0), axis=0) > 0
+
+
+@gluon.jit
 def _next_max(m_i, m_seen, LAZY: gl.constexpr):
     """The seesaw's next running max from the maxima ``m_seen`` of scores it takes in, and
     whether it moved (so acc must be rescaled). Eager: always max(m_i, m_seen). LAZY:
     only once some head's ``m_seen`` exceeds ``m_i`` by more than LAZY_SLACK (base 2),
     so most pairs skip both [64, 256] rescales; P stays <= 2^8 relative to the held max
-    (a peer's P, rescaled to it, <= 2^16), far inside bf16 and fp32. The decision is one
-    warp-group reduction, so the whole group branches alike."""
+    (a peer's P, rescaled to it, <= 2^16), far inside bf16 and fp32 (:func:`_max_grew`)."""
     if LAZY:
-        grow = gl.max(gl.where(m_seen > m_i + LAZY_SLACK, 1, 0), axis=0) > 0
+        grow = _max_grew(m_i, m_seen)
         return gl.where(grow, gl.maximum(m_i, m_seen), m_i), grow
     else:
         return gl.maximum(m_i, m_seen), True

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import re
 import subprocess
 import sys
@@ -102,7 +101,7 @@ def main() -> int:
            str(args.calls - 2), "--launch-count", "1", "--section", "SpeedOfLight", "--section",
            "WarpStateStats", "--section", "SourceCounters", "-f", "-o", str(report), sys.executable,
            __file__, "--drive", "--shape", args.shape, "--calls", str(args.calls)] + (["--fp8"] if args.fp8 else [])
-    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         print(run.stdout[-2000:], run.stderr[-2000:])
         return run.returncode
