@@ -295,6 +295,21 @@ CANDIDATES = [
     # calls) ended at 38.7 us, but with 6 programs an SM where the entry's compile holds 8.
     # `dsv4lab bench moe` rows at b307d7d (BALANCE the default): MXFP4 46.1 against 44.7,
     # NVFP4 47.4 against 46.7 (variant mma2_unbalanced_t1)
+    # round 17 (session 15): PAIRED, each program a gate/up tile then a down tile of its pair,
+    # the down weights asked of the L2 before the gate/up tile (or not), against the entry
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           PAIRED=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=True,
+           PAIRED=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True,
+           PREFETCH="evict_last", PAIRED=True),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=4, EVICT=True,
+           PREFETCH="evict_last", PAIRED=True),
+    _fused(BN1=32, BN2=64, SPLIT1=1, SPLIT2=1, num_warps=2, REGS=4, EVICT=True,
+           PREFETCH="evict_last", PAIRED=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True,
+           PREFETCH="evict_last", PAIRED=True, EARLY=False),
 ]
 
 
