@@ -579,7 +579,8 @@ class Config(NamedTuple):
     launched as a programmatic dependent launch (sm_90+; ignored elsewhere): the split
     kernel lets it be scheduled at once, and it waits (``griddepcontrol.wait``) for the
     split kernel's results, so its launch overlaps the split kernel's tail; ``p_swizzle``:
-    with ``ws`` and ``seesaw``, the P exchange buffers swizzled."""
+    with ``ws`` and ``seesaw``, the P exchange buffers swizzled; ``evict_kv``: with ``ws``,
+    the KV gathers (and Q) under an L2 evict-first policy (kernels/l2_hint.py)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -598,6 +599,7 @@ class Config(NamedTuple):
     part16: bool = False
     pdl: bool = False
     p_swizzle: bool = False
+    evict_kv: bool = False
 
 
 # Measured winners per device name and workload class (see :func:`workload_class`), for
@@ -953,7 +955,7 @@ def ws_launch_args(config: Config) -> dict:
     there, not on the first GPU call)."""
     return dict(block_n=config.block_n, num_buf=config.num_stages, lazy=config.lazy,
                 seesaw=config.seesaw, merge_pair=config.merge_pair, part16=config.part16,
-                pdl=config.pdl, p_swizzle=config.p_swizzle)
+                pdl=config.pdl, p_swizzle=config.p_swizzle, evict_kv=config.evict_kv)
 
 
 def _pick_config(dev, block_h, key, launch, tune):

@@ -146,6 +146,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from dsv4lab.kernels.device import gluon_unsupported
+from dsv4lab.kernels import l2_hint
 from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
 
 HEADS = gl.constexpr(64)
@@ -737,13 +738,16 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                           SCAN_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
                           FP8: gl.constexpr = False, PDL: gl.constexpr = False,
-                          LAZY_SS: gl.constexpr = False, P_SWIZZLE: gl.constexpr = False):
+                          LAZY_SS: gl.constexpr = False, P_SWIZZLE: gl.constexpr = False,
+                          EVICT_KV: gl.constexpr = False):
     # program -> (query position, split). (Constexprs do not cross into warp_specialize's
     # partitions: the partitions read BLOCK_N, NUM_BUF and S_BUFS off the buffers' shapes and
     # the design off the exchange buffer's dtype, and take HAS_SINK and SPLIT as uniform
     # runtime flags.)
     pid = gl.program_id(0)
     _stamp(cnt_ptr, pid, 0)
+    if EVICT_KV:    # Q's and the KV gathers' cp.async under an L2 evict-first policy
+        l2_hint.mark(num_warps)
     if PDL:     # the combine (a programmatic dependent launch) may be scheduled now
         _launch_dependents()
     sp = pid % num_splits
@@ -889,7 +893,7 @@ def _pair_counters(dev, n: int) -> torch.Tensor:
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32, num_buf=3,
                   lazy=False, seesaw=False, scan_n=512, merge_pair=False, part16=False,
-                  pdl=False, p_swizzle=False):
+                  pdl=False, p_swizzle=False, evict_kv=False):
     """Launch the warp-specialised kernel (and the MMA kernel's combine when split).
 
     q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] same dtype or (bf16 q) the FP8 cache uint8
@@ -903,7 +907,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
     launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``p_swizzle``: the seesaw's P
-    exchange buffers swizzled (P_SWIZZLE)."""
+    exchange buffers swizzled (P_SWIZZLE); ``evict_kv``: Q's and the KV rows' copies under an
+    L2 evict-first policy (EVICT_KV, kernels/l2_hint.py)."""
     from dsv4lab.kernels.device import pdl_ok
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
@@ -942,7 +947,8 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         BLOCK_N=block_n, NUM_BUF=num_buf, S_BUFS=s_bufs(block_n, num_buf, fp8), SEESAW=seesaw,
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
-        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, P_SWIZZLE=bool(p_swizzle) and seesaw)
+        PDL=pdl, LAZY_SS=bool(lazy) and seesaw, P_SWIZZLE=bool(p_swizzle) and seesaw,
+        EVICT_KV=bool(evict_kv))
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse

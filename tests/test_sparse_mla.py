@@ -845,6 +845,29 @@ def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
 
 @pytest.mark.gpu
 @WS_GPU
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (64, 1, 2048, None),
+                                                (3, 4, 777, 1), (2, 1, 1500, 5)])
+def test_gpu_ws_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
+    """The KV gathers and Q under an L2 evict-first policy (``evict_kv``: the marked kernel's
+    PTX rewritten, kernels/l2_hint.py) give the unmarked kernel's bits, bf16 and FP8, split
+    and unsplit, -1 slots and an all -1 query; and both match the reference."""
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    cfg = mma_variants()["ws_ss_n32_b3" if fp8 else "ws_ss_n32_b4_psw"]
+    if splits is not None:
+        cfg = cfg._replace(splits=splits)
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=B + S,
+                                empty_rows=[(0, 0)], device="cuda")
+    plain = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg._replace(evict_kv=True),
+                                             d_v=512, attn_sink=snk)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
+    assert_matches_reference(q, out, lse, ref, ref_lse)
+
+
+@pytest.mark.gpu
+@WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy"])
 def test_gpu_ws_fp8_splits_and_extremes(splits, variant):

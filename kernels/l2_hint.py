@@ -1,0 +1,86 @@
+"""``cp.async`` with an L2 evict-first policy for the Gluon kernels, on the Triton releases whose
+Gluon drops the policy.
+
+Why. The benchmarks time a call after ``do_bench``'s zero-fill flush, which leaves the L2 full
+of dirty lines, as a decode step finds it after the rest of the step's writes. Every line a
+kernel then brings in for bytes it reads once (weights, a KV gather) evicts one of them, and
+that line is first written back to HBM. Loaded with an L2 evict-first policy, the bytes read
+once take each other's place instead (kernels/moe_mma2.py ``EVICT`` measured that on its
+register loads). Gluon's ``cp.async`` takes an ``eviction_policy`` on Triton 3.6 but drops it
+(its PTX is a plain ``cp.async.cg``), and Triton 3.9's ``async_load`` has a ``cache_policy``
+that no GPU here has run.
+
+How. A kernel that wants the policy calls :func:`mark` once (a PTX comment, no instruction);
+the compiler hook :func:`install` puts in place rewrites the PTX of every kernel that carries
+the mark: a 64-bit register holding ``createpolicy.fractional.L2::evict_first`` at the entry,
+and each ``cp.async.cg.shared.global`` given ``.L2::cache_hint`` and that register (PTX ISA
+8.0, sm_80+). Kernels without the mark compile untouched; the mark is a constexpr branch, so a
+kernel with and one without it differ in their cache key, and the hook is installed when this
+module is imported, before any kernel that calls :func:`mark` can compile.
+
+Explained in notebooks/02_mma_attention.ipynb.
+"""
+import re
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+MARK = "dsv4lab: cp.async L2::evict_first"
+_MARK_ASM = gl.constexpr("// " + MARK + "\nmov.u32 $0, $1;")
+_POLICY_REG = "%dsv4lab_evict_first"
+_CP_ASYNC = re.compile(r"cp\.async\.cg\.shared\.global \[([^\]]*)\], \[([^\]]*)\], ([^;]*);")
+
+
+@gluon.jit
+def mark(num_warps: gl.constexpr):
+    """Ask :func:`install`'s hook to give this kernel's ``cp.async`` copies the L2
+    evict-first policy (a PTX comment and a register move; call it where ``num_warps``
+    warps run)."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    gl.inline_asm_elementwise(_MARK_ASM, "=r,r", [gl.arange(0, 32 * num_warps, layout=one)],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+def rewrite(ptx: str) -> str:
+    """PTX with the mark -> every ``cp.async.cg`` under an L2 evict-first policy (a kernel
+    without the mark comes back unchanged). Raises if a marked kernel has no entry to put
+    the policy register in, or no ``cp.async`` to give it to."""
+    if MARK not in ptx:
+        return ptx
+    entry = re.search(r"\.entry [^{]*\{\n", ptx)
+    if entry is None or ptx.count(".entry ") != 1:
+        raise RuntimeError("l2_hint: a marked PTX module needs exactly one .entry")
+    body, n = _CP_ASYNC.subn(
+        lambda m: (f"cp.async.cg.shared.global.L2::cache_hint [{m.group(1)}], [{m.group(2)}], "
+                   f"{m.group(3)}, {_POLICY_REG};"), ptx[entry.end():])
+    if n == 0:
+        raise RuntimeError("l2_hint: the marked kernel has no cp.async.cg to give the policy to")
+    head = (f"\t.reg .b64 \t{_POLICY_REG};\n"
+            f"\tcreatepolicy.fractional.L2::evict_first.b64 \t{_POLICY_REG}, 0f3F800000;\n")
+    # the declarations first: PTX wants .reg before the instructions that follow them
+    decls = re.match(r"(?:\s*\.reg [^\n]*\n)*", body)
+    return ptx[:entry.end()] + body[:decls.end()] + head + body[decls.end():]
+
+
+def _hook(backend, stages, options, language, capability, _chained=None):
+    if _chained is not None:
+        _chained(backend, stages, options, language, capability)
+    make_ptx = stages.get("ptx")
+    if make_ptx is not None:
+        stages["ptx"] = lambda src, metadata: rewrite(make_ptx(src, metadata))
+
+
+def install() -> None:
+    """Put the PTX rewrite in Triton's compiler pipeline (once; a hook already there keeps
+    running first)."""
+    runtime = triton.knobs.runtime
+    current = runtime.add_stages_inspection_hook
+    if getattr(current, "_dsv4lab_l2_hint", False):
+        return
+    hook = (lambda *a: _hook(*a, _chained=current)) if current is not None else _hook
+    hook._dsv4lab_l2_hint = True
+    runtime.add_stages_inspection_hook = hook
+
+
+install()
