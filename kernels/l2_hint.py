@@ -12,9 +12,8 @@ that no GPU here has run.
 
 How. A kernel that wants the policy calls :func:`mark` once (a PTX comment, no instruction);
 the compiler hook :func:`install` puts in place rewrites the PTX of every kernel that carries
-the mark: a 64-bit register holding ``createpolicy.fractional.L2::evict_first`` at the entry,
-and each ``cp.async.cg.shared.global`` given ``.L2::cache_hint`` and that register (PTX ISA
-8.0, sm_80+). Kernels without the mark compile untouched; the mark is a constexpr branch, so a
+the mark: each ``cp.async.cg.shared.global`` given ``.L2::cache_hint`` and a policy register
+made by ``createpolicy.fractional.L2::evict_first`` just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is a constexpr branch, so a
 kernel with and one without it differ in their cache key, and the hook is installed when this
 module is imported, before any kernel that calls :func:`mark` can compile.
 
@@ -28,8 +27,8 @@ from triton.experimental.gluon import language as gl
 
 MARK = "dsv4lab: cp.async L2::evict_first"
 _MARK_ASM = gl.constexpr("// " + MARK + "\nmov.u32 $0, $1;")
-_POLICY_REG = "%dsv4lab_evict_first"
-_CP_ASYNC = re.compile(r"cp\.async\.cg\.shared\.global \[([^\]]*)\], \[([^\]]*)\], ([^;]*);")
+# a masked copy: 16 bytes with a register src-size (0 for a masked-off row: zero-filled)
+_CP_ASYNC = re.compile(r"cp\.async\.cg\.shared\.global \[([^\]]*)\], \[([^\]]*)\], (0x10, %r\d+);")
 
 
 @gluon.jit
@@ -44,23 +43,21 @@ def mark(num_warps: gl.constexpr):
 
 def rewrite(ptx: str) -> str:
     """PTX with the mark -> every ``cp.async.cg`` under an L2 evict-first policy (a kernel
-    without the mark comes back unchanged). Raises if a marked kernel has no entry to put
-    the policy register in, or no ``cp.async`` to give it to."""
+    without the mark comes back unchanged). Each copy gets its own scoped policy register
+    (ptxas merges them): one register made at the entry would have to live across a
+    warp-specialised kernel's register reallocation (``setmaxnreg``), and on the H200 such a
+    build raised an illegal instruction. Raises if a marked kernel has no ``cp.async`` to
+    give the policy to."""
     if MARK not in ptx:
         return ptx
-    entry = re.search(r"\.entry [^{]*\{\n", ptx)
-    if entry is None or ptx.count(".entry ") != 1:
-        raise RuntimeError("l2_hint: a marked PTX module needs exactly one .entry")
-    body, n = _CP_ASYNC.subn(
-        lambda m: (f"cp.async.cg.shared.global.L2::cache_hint [{m.group(1)}], [{m.group(2)}], "
-                   f"{m.group(3)}, {_POLICY_REG};"), ptx[entry.end():])
+    out, n = _CP_ASYNC.subn(
+        lambda m: ("{ .reg .b64 %l2pol; "
+                   "createpolicy.fractional.L2::evict_first.b64 %l2pol, 0f3F800000; "
+                   f"cp.async.cg.shared.global.L2::cache_hint [{m.group(1)}], [{m.group(2)}], "
+                   f"{m.group(3)}, %l2pol; }}"), ptx)
     if n == 0:
         raise RuntimeError("l2_hint: the marked kernel has no cp.async.cg to give the policy to")
-    head = (f"\t.reg .b64 \t{_POLICY_REG};\n"
-            f"\tcreatepolicy.fractional.L2::evict_first.b64 \t{_POLICY_REG}, 0f3F800000;\n")
-    # the declarations first: PTX wants .reg before the instructions that follow them
-    decls = re.match(r"(?:\s*\.reg [^\n]*\n)*", body)
-    return ptx[:entry.end()] + body[:decls.end()] + head + body[decls.end():]
+    return out
 
 
 def _hook(backend, stages, options, language, capability, _chained=None):
