@@ -27,8 +27,10 @@ from triton.experimental.gluon import language as gl
 
 MARK = "dsv4lab: cp.async L2::evict_first"
 _MARK_ASM = gl.constexpr("// " + MARK + "\nmov.u32 $0, $1;")
-# a masked copy: 16 bytes with a register src-size (0 for a masked-off row: zero-filled)
-_CP_ASYNC = re.compile(r"cp\.async\.cg\.shared\.global \[([^\]]*)\], \[([^\]]*)\], (0x10, %r\d+);")
+# a masked copy (.cg 16 bytes, or .ca 4 / 8 / 16) with a register src-size (0: a masked-off
+# row, zero-filled)
+_CP_ASYNC = re.compile(r"cp\.async\.(c[ag])\.shared\.global \[([^\]]*)\], \[([^\]]*)\], "
+                       r"(0x[0-9a-f]+, %r\d+);")
 
 
 @gluon.jit
@@ -53,8 +55,8 @@ def rewrite(ptx: str) -> str:
     out, n = _CP_ASYNC.subn(
         lambda m: ("{ .reg .b64 %l2pol; "
                    "createpolicy.fractional.L2::evict_first.b64 %l2pol, 0f3F800000; "
-                   f"cp.async.cg.shared.global.L2::cache_hint [{m.group(1)}], [{m.group(2)}], "
-                   f"{m.group(3)}, %l2pol; }}"), ptx)
+                   f"cp.async.{m.group(1)}.shared.global.L2::cache_hint [{m.group(2)}], "
+                   f"[{m.group(3)}], {m.group(4)}, %l2pol; }}"), ptx)
     if n == 0:
         raise RuntimeError("l2_hint: the marked kernel has no cp.async.cg to give the policy to")
     return out
