@@ -579,8 +579,8 @@ class Config(NamedTuple):
     launched as a programmatic dependent launch (sm_90+; ignored elsewhere): the split
     kernel lets it be scheduled at once, and it waits (``griddepcontrol.wait``) for the
     split kernel's results, so its launch overlaps the split kernel's tail; ``p_swizzle``:
-    with ``ws`` and ``seesaw``, the P exchange buffers swizzled; ``evict_kv``: with ``ws``,
-    the KV gathers (and Q) under an L2 evict-first policy (kernels/l2_hint.py)."""
+    with ``ws`` and ``seesaw``, the P exchange buffers swizzled; ``evict_kv``: with ``ws``
+    and S_q = 1, the KV gathers under an L2 evict-first policy (kernels/l2_hint.py)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -636,10 +636,15 @@ DEVICE_TABLE: dict = {
         # shapes of an A/B printout at 3b2a51d (scripts/ab_sparse_mla.py --knobs
         # pingpong,p_swizzle; e.g. B128 S2 T2048 184.7 -> 179.5 us, B128 S1 97.9 -> 95.8, B16 S4
         # 54.1 -> 53.0, B64 S1 58.4 -> 58.0); rows at 45aeb45: B64 S1 58.1, B128 S2 181.2
+        # evict_kv (session 15): at S_q = 1 the KV gathers under an L2 evict-first policy, so
+        # rows read once stop evicting the L2's dirty lines (each a write to HBM first).
+        # A/B printout at ec05afa (scripts/ab_sparse_mla.py --knobs evict_kv): B64 S1 T2048
+        # 57.9 -> 54.3 us, B32 S1 39.1 -> 36.2; not at S_q > 1 (B128 S2 179.1 both, B8 S4
+        # 32.4 both, B128 S4 339.1 -> 348.2: a verify step's positions share rows in L2)
         ("bf16", "large"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True,
-                                  p_swizzle=True),
+                                  p_swizzle=True, evict_kv=True),
         ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True,
-                                p_swizzle=True),
+                                p_swizzle=True, evict_kv=True),
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None,   # 25.5 us at B8 S1 T2048
                                   part16=True),
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None,    # 10.1 us at B1 S1 T640
@@ -657,10 +662,11 @@ DEVICE_TABLE: dict = {
         # -> 76.6, B16 S4 70.9 -> 73.3; bf16 slower everywhere: B128 S2 182.8 -> 202.3);
         # p_swizzle as bf16's. Rows at 45aeb45: B128 S2 247.0 us, B64 S1 72.6 (263.3 / 74.8
         # at 50c1cf7)
+        # evict_kv as bf16's: A/B at ec05afa, B64 S1 T2048 73.3 -> 71.9 us, B32 S1 46.0 -> 44.2
         ("fp8", "large"): Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True, part16=True,
-                                 pdl=True, p_swizzle=True),
+                                 pdl=True, p_swizzle=True, evict_kv=True),
         ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True,
-                               p_swizzle=True),
+                               p_swizzle=True, evict_kv=True),
         ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True,
                                  part16=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None,    # 17.6 us at B1 S1 T640
@@ -783,6 +789,12 @@ VARIANTS: dict = {
     "ws_ss_n32_b3_psw": Config(32, 8, 3, 64, ws=True, seesaw=True, p_swizzle=True),
     "ws_ss_n32_b4_psw_p16_pdl": Config(32, 8, 4, 64, ws=True, seesaw=True, p_swizzle=True,
                                        part16=True, pdl=True),
+    # the table's ws entries before evict_kv (the KV gathers under L2 evict-first at S_q = 1,
+    # in the table since session 15): the rows it is compared with
+    "ws_ss_n32_b3_psw_p16_pdl": Config(32, 8, 3, 64, ws=True, seesaw=True, p_swizzle=True,
+                                       part16=True, pdl=True),
+    "ws_ss_n32_b3_lazy_psw_p16_pdl": Config(32, 8, 3, 64, lazy=True, ws=True, seesaw=True,
+                                            p_swizzle=True, part16=True, pdl=True),
 }
 
 # Candidates timed on first use when the table has no entry, per shared-memory class

@@ -746,7 +746,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     # runtime flags.)
     pid = gl.program_id(0)
     _stamp(cnt_ptr, pid, 0)
-    if EVICT_KV:    # Q's and the KV gathers' cp.async under an L2 evict-first policy
+    if EVICT_KV:    # the KV gathers' cp.async under an L2 evict-first policy
         l2_hint.mark(num_warps)
     if PDL:     # the combine (a programmatic dependent launch) may be scheduled now
         _launch_dependents()
@@ -907,8 +907,10 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
     launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``p_swizzle``: the seesaw's P
-    exchange buffers swizzled (P_SWIZZLE); ``evict_kv``: Q's and the KV rows' copies under an
-    L2 evict-first policy (EVICT_KV, kernels/l2_hint.py)."""
+    exchange buffers swizzled (P_SWIZZLE); ``evict_kv``: at S_q = 1 the KV gathers under an
+    L2 evict-first policy (EVICT_KV, kernels/l2_hint.py). Not at S_q > 1, where a verify
+    step's positions share rows through the L2 (A/B at ec05afa: B 128 / S_q 4 bf16 339.1 ->
+    348.2 us with it)."""
     from dsv4lab.kernels.device import pdl_ok
     from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
     fp8 = kv.dtype == torch.uint8
@@ -948,7 +950,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
         PDL=pdl, LAZY_SS=bool(lazy) and seesaw, P_SWIZZLE=bool(p_swizzle) and seesaw,
-        EVICT_KV=bool(evict_kv))
+        EVICT_KV=bool(evict_kv) and S_q == 1)
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse

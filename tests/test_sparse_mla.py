@@ -847,11 +847,13 @@ def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
 @WS_GPU
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (64, 1, 2048, None),
-                                                (3, 4, 777, 1), (2, 1, 1500, 5)])
+                                                (7, 1, 777, 1), (2, 1, 1500, 5),
+                                                (3, 4, 777, None)])
 def test_gpu_ws_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
-    """The KV gathers and Q under an L2 evict-first policy (``evict_kv``: the marked kernel's
-    PTX rewritten, kernels/l2_hint.py) give the unmarked kernel's bits, bf16 and FP8, split
-    and unsplit, -1 slots and an all -1 query; and both match the reference."""
+    """The KV gathers under an L2 evict-first policy (``evict_kv``, S_q = 1: the marked
+    kernel's PTX rewritten, kernels/l2_hint.py; S_q > 1 runs unmarked) give the unmarked
+    kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query; and both
+    match the reference."""
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
     cfg = mma_variants()["ws_ss_n32_b3" if fp8 else "ws_ss_n32_b4_psw"]
     if splits is not None:

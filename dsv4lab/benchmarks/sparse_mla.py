@@ -124,7 +124,8 @@ VARIANT_ROWS = (("sqk_n64", "bf16"), ("sqk_pg_n32_s3", "bf16"), ("sqk_pg_n32_s4"
                 ("ws_n32_b3", "fp8"), ("ws_ss_n32_b3", "fp8"),
                 ("ws_ss_n32_b4_lazy", "bf16"), ("ws_ss_n32_b4_lazy_p16_pdl", "bf16"),
                 ("ws_ss_n32_b3_lazy", "fp8"), ("ws_ss_n32_b4_psw", "bf16"),
-                ("ws_ss_n32_b3_psw", "fp8"))
+                ("ws_ss_n32_b3_psw", "fp8"), ("ws_ss_n32_b4_psw_p16_pdl", "bf16"),
+                ("ws_ss_n32_b3_psw_p16_pdl", "fp8"), ("ws_ss_n32_b3_lazy_psw_p16_pdl", "fp8"))
 VARIANT_NAMES = tuple(dict.fromkeys(v for v, _ in VARIANT_ROWS))
 
 
