@@ -10,15 +10,24 @@ register loads). Gluon's ``cp.async`` takes an ``eviction_policy`` on Triton 3.6
 (its PTX is a plain ``cp.async.cg``), and Triton 3.9's ``async_load`` has a ``cache_policy``
 that no GPU here has run.
 
-How. A kernel that wants the policy calls :func:`mark` once (a PTX comment, no instruction);
+How. A kernel that wants the policy calls :func:`mark` once (a PTX comment and one move);
 the compiler hook :func:`install` puts in place rewrites the PTX of every kernel that carries
-the mark: each ``cp.async.cg.shared.global`` given ``.L2::cache_hint`` and a policy register
-made by ``createpolicy.fractional.L2::evict_first`` just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is a constexpr branch, so a
-kernel with and one without it differ in their cache key, and the hook is installed when this
-module is imported, before any kernel that calls :func:`mark` can compile.
+the mark: each masked ``cp.async`` (a register src-size: the gathers) is given
+``.L2::cache_hint`` and a policy register made by ``createpolicy.fractional.L2::evict_first``
+just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is
+a constexpr branch, so a kernel with and one without it differ in their cache key, and the
+hook is installed when this module is imported, before any kernel that calls :func:`mark` can
+compile.
+
+Measured (H200, sparse MLA's ws kernel, ``evict_kv``): A/B printout at ec05afa
+(scripts/ab_sparse_mla.py --knobs evict_kv), B 64 / S_q 1 / topk 2048 bf16 57.9 -> 54.3 us,
+FP8 73.3 -> 71.9; `dsv4lab bench sparse_mla` rows at a861507: 54.1 us against 58.0 for the
+entry without it in the same run.
 
 Explained in notebooks/02_mma_attention.ipynb.
 """
+import functools
+import hashlib
 import re
 
 import triton
@@ -44,12 +53,13 @@ def mark(num_warps: gl.constexpr):
 
 
 def rewrite(ptx: str) -> str:
-    """PTX with the mark -> every ``cp.async.cg`` under an L2 evict-first policy (a kernel
-    without the mark comes back unchanged). Each copy gets its own scoped policy register
-    (ptxas merges them): one register made at the entry would have to live across a
-    warp-specialised kernel's register reallocation (``setmaxnreg``), and on the H200 such a
-    build raised an illegal instruction. Raises if a marked kernel has no ``cp.async`` to
-    give the policy to."""
+    """PTX with the mark -> its masked ``cp.async`` copies under an L2 evict-first policy (a
+    kernel without the mark comes back unchanged), each with its own scoped policy register.
+    Two other builds failed: one policy register made at the entry with every copy hinted
+    raised an illegal instruction on the H200 (the register has to live across a
+    warp-specialised kernel's ``setmaxnreg``), and hinting Q's unmasked copies as well gave,
+    in an offline sm_90 compile, LDGSTS instructions that read uniform registers nothing
+    writes. Raises if a marked kernel has no masked copy to give the policy to."""
     if MARK not in ptx:
         return ptx
     out, n = _CP_ASYNC.subn(
@@ -58,13 +68,27 @@ def rewrite(ptx: str) -> str:
                    f"cp.async.{m.group(1)}.shared.global.L2::cache_hint [{m.group(2)}], "
                    f"[{m.group(3)}], {m.group(4)}, %l2pol; }}"), ptx)
     if n == 0:
-        raise RuntimeError("l2_hint: the marked kernel has no cp.async.cg to give the policy to")
+        raise RuntimeError("l2_hint: the marked kernel has no masked cp.async to give the "
+                           "policy to")
     return out
 
 
-def _hook(backend, stages, options, language, capability, _chained=None):
+# what the rewrite is, for the cache key of the releases that ask the hook for one (3.9)
+_KEY = "dsv4lab.l2_hint:masked-cp.async-evict_first:1"
+
+
+def _hook(*args, _chained=None):
+    """Triton's stage hook. Called with the pipeline (backend, stages, options, language,
+    capability): wraps its PTX stage in :func:`rewrite`. Called with nothing (Triton 3.9, for
+    its cache keys): -> (key, hash) naming the rewrite (and any hook chained before it)."""
+    if not args:
+        key = _KEY
+        if _chained is not None:
+            key = _chained()[0] + key
+        return key, hashlib.sha256(key.encode()).hexdigest()
     if _chained is not None:
-        _chained(backend, stages, options, language, capability)
+        _chained(*args)
+    stages = args[1]
     make_ptx = stages.get("ptx")
     if make_ptx is not None:
         stages["ptx"] = lambda src, metadata: rewrite(make_ptx(src, metadata))
@@ -77,7 +101,7 @@ def install() -> None:
     current = runtime.add_stages_inspection_hook
     if getattr(current, "_dsv4lab_l2_hint", False):
         return
-    hook = (lambda *a: _hook(*a, _chained=current)) if current is not None else _hook
+    hook = functools.partial(_hook, _chained=current)
     hook._dsv4lab_l2_hint = True
     runtime.add_stages_inspection_hook = hook
 

@@ -142,6 +142,13 @@ gate/up tiles evenly over the SMs (a program beyond its SM's quota waiting until
 ticket was handed out; the timeline had SMs running 1 to 8 of them, the crowded ones' loops
 17.9 us against 11.8): rows at b307d7d, MXFP4 46.1 against 44.7 us (its compile held 6
 programs an SM, not 8).
+Nor did ``PAIRED`` (session 15, code removed): each of 768 programs ran a gate/up tile and then
+a down tile of its pair, so every SM held the same mix of work, with the down weights asked of
+the L2 before the gate/up tile or not (scripts/tune_moe.py round 17, printout at 87ccf91; MXFP4
+/ NVFP4): 44.2 / 48.3 us without the prefetch, 48.3 / 49.4 with it and 49.3 / 50.1 with an
+evict-last prefetch, against the entry's 44.0 / 46.9. The prefetched lines take the L2's place
+as ordinary lines and so push its dirty ones out (each a write to HBM), which the evict-first
+loads avoid.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -811,17 +818,13 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
 
 
 @gluon.jit
-def _prefetch_l2(rows, nbytes, BN: gl.constexpr, num_warps: gl.constexpr,
-                 LAST: gl.constexpr = False):
-    """Ask the L2 for nbytes from each of the BN row pointers (128-byte lines), no wait;
-    ``LAST``: with the L2's evict-last priority."""
+def _prefetch_l2(rows, nbytes, BN: gl.constexpr, num_warps: gl.constexpr):
+    """Ask the L2 for nbytes from each of the BN row pointers (128-byte lines), no wait."""
     L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
-    ASM: gl.constexpr = ("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;" if LAST
-                         else "prefetch.global.L2 [$1]; mov.u32 $0, 0;")
     r = gl.convert_layout(rows, gl.SliceLayout(1, L))
     lines = gl.arange(0, 8, layout=gl.SliceLayout(0, L)) * 128
     for off in range(0, nbytes, 1024):
-        gl.inline_asm_elementwise(ASM, "=r,l",
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                   [r[:, None] + (off + lines)[None, :]], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -885,10 +888,10 @@ def _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit,
 def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
                   stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                   stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act, stride_part,
-                  swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
-                  SPLIT1: gl.constexpr, STAGES: gl.constexpr, NSPS1: gl.constexpr, ASM:
-                  gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr, REGS:
-                  gl.constexpr, EVICT: gl.constexpr):
+                  swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
+                  BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
+                  NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
+                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
     slice, the SwiGLU into act[p], and pair p's count released."""
@@ -965,11 +968,11 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
 @gluon.jit
 def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypair_ptr, out_ptr,
                ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2, nseg2, stride_w2e,
-               stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out, IS_NV:
-               gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr, STAGES: gl.constexpr, NSPS2:
-               gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-               ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr, EARLY:
-               gl.constexpr, PAIRED: gl.constexpr):
+               stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out,
+               IS_NV: gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr,
+               STAGES: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
+               ASM: gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr,
+               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
     ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
     the last tile of its rows sums them over the pairs into out."""
@@ -989,8 +992,8 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         if REGS and EARLY:    # the ring's first weight bytes requested before the wait
             pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
                                                          num_warps, EVICT)
-        if PREFETCH and not PAIRED:
-            _prefetch_l2(w, nseg2 * 64, BN2, num_warps, PREFETCH == 2)
+        if PREFETCH:
+            _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
         _wait_count(ctr_ptr + 1 + p, n_tiles1)
         _stamp(stamps_ptr, row, 2, num_warps)
         a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
@@ -1026,21 +1029,6 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
 
 
 @gluon.jit
-def _prefetch_down(w2_ptr, ids_ptr, d, n_tiles2, nseg2, stride_w2e, stride_w2n,
-                   SPLIT2: gl.constexpr, BN2: gl.constexpr, PREFETCH: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """PAIRED: ask the L2 for down tile d's weight bytes (no wait, no registers held)."""
-    ROWS: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
-    p = d // SPLIT2 // n_tiles2
-    e = gl.load(ids_ptr + p)
-    if e >= 0:
-        rows = (d // SPLIT2 % n_tiles2) * BN2 + gl.arange(0, BN2, layout=ROWS)
-        w = (w2_ptr + e.to(gl.int64) * stride_w2e + rows.to(gl.int64) * stride_w2n
-             + (d % SPLIT2) * nseg2 * SEG_BYTES)
-        _prefetch_l2(w, nseg2 * SEG_BYTES, BN2, num_warps, PREFETCH == 2)
-
-
-@gluon.jit
 def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr,
                    act_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H,
                    stride_xt, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
@@ -1051,7 +1039,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, PAIRED: gl.constexpr = False):
+                   EARLY: gl.constexpr = True):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1077,13 +1065,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`.
-    ``PAIRED`` (as many gate/up as down tiles, pair by pair alike): program ``tile`` runs gate/up
-    tile ``tile`` and then down tile ``tile`` (of the same pair), its down weights asked of the
-    L2 (PREFETCH; 2: evict-last) before its gate/up tile starts. Every SM then holds the same
-    mix of work, and the down bytes stream while the gate/up tiles run. A down part waits only
-    for its pair's gate/up tiles: with tickets in start order that cannot deadlock as long as
-    a pair's tiles fit on the GPU at once (the launcher checks one program an SM suffices)."""
+    ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -1104,39 +1086,18 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         _stamp(stamps_ptr, tile, 1, num_warps)
         _stamp(stamps_ptr, tile, 5, num_warps)
     m = gl.arange(0, BM, layout=COLS)
-    if PAIRED:     # this program's down tile's weight bytes asked of the L2 first
-        if PREFETCH:
-            _prefetch_down(w2_ptr, ids_ptr, tile, n_tiles2, nseg2, stride_w2e, stride_w2n, SPLIT2,
-                           BN2, PREFETCH, num_warps)
-        if tile < n_gu:
-            _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr, stamps_ptr,
-                          tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt, stride_w13e,
-                          stride_w13n, stride_s13e, stride_s13n, stride_act, stride_part,
-                          swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1, ASM,
-                          num_warps, ACC_SCALE, REGS, EVICT)
-        if TIMELINE:
-            gl.store(stamps_ptr + (n_gu + tile) * 8, t0)
-            _stamp(stamps_ptr, n_gu + tile, 1, num_warps)
-            _stamp(stamps_ptr, n_gu + tile, 5, num_warps)
-        _down_tile(tile, n_gu + tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypair_ptr,
-                   out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2, nseg2,
-                   stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out,
-                   IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps, ACC_SCALE, REGS,
-                   EVICT, EARLY, PAIRED)
-    elif tile < n_gu:
-        _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr, stamps_ptr,
-                      tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt, stride_w13e,
-                      stride_w13n, stride_s13e, stride_s13n, stride_act, stride_part, swiglu_limit,
-                      IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1, ASM, num_warps, ACC_SCALE, REGS,
-                      EVICT)
+    if tile < n_gu:
+        _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
+                      stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
+                      stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
+                      stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT)
     else:
-        _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypair_ptr,
-                   out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2, nseg2,
-                   stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out,
-                   IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps, ACC_SCALE, REGS,
-                   EVICT, EARLY, PAIRED)
-
-
+        _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
+                   ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
+                   nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
+                   stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
+                   ACC_SCALE, REGS, EVICT, EARLY)
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1162,12 +1123,11 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, PAIRED=False):
+              EVICT=False, EARLY=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
-    (:func:`_decode_kernel`; STAGES2 unused, PREFETCH: the down tiles' L2 prefetch, True or
-    "evict_last" for the L2's evict-last priority).
+    (:func:`_decode_kernel`; STAGES2 unused, PREFETCH: the down tiles' L2 prefetch).
     ``CVT8``: the decode (None: CVT8_ASM on sm_89+, FASTDEC's elsewhere; True / False force).
     ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
     accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
@@ -1186,11 +1146,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
-    ``PAIRED`` (REGS only): each program runs a gate/up tile and then a down tile of the same
-    pair, its down weights prefetched to L2 (PREFETCH) before the gate/up tile; needs as many
-    gate/up as down tiles (``(I / BN1) SPLIT1 == (H / BN2) SPLIT2``) and a pair's tiles no
-    more than the GPU surely holds at once (see :func:`paired_capacity`); None: where those
-    hold.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1206,8 +1161,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if EVICT and REGS == 0:
         raise ValueError("moe_mma2: EVICT applies to REGS's loads (cp.async takes no L2 policy "
                          "here); give REGS 2 or 4, or None where it resolves to them")
-    if PREFETCH not in (False, True, "evict_last"):
-        raise ValueError(f"moe_mma2: PREFETCH must be False, True or 'evict_last', got {PREFETCH!r}")
     why = supported(x, H, I, (w13, w13_scale, w2, w2_scale))
     if why is not None:
         raise ValueError(f"moe_mma2: {why}")
@@ -1267,15 +1220,10 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)
-        why_not = _why_not_paired(P, H, I, BN1, BN2, split1, split2, num_warps, REGS, dev)
-        if PAIRED and why_not:
-            raise ValueError(f"moe_mma2: PAIRED needs {why_not}")
-        paired = why_not is None if PAIRED is None else bool(PAIRED)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
-                             nsps1, nsps2, 2 if PREFETCH == "evict_last" else int(PREFETCH),
-                             num_warps, CVT8, ACC_SCALE, counters, pdl, int(REGS), MAXNREG,
-                             bool(EVICT), bool(EARLY), paired)
+                             nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1312,36 +1260,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     return out
 
 
-def paired_capacity(device, num_warps: int) -> int:
-    """Programs of the fused decode (REGS, 512 B of shared memory) the GPU surely holds at
-    once: one an SM per 8 warps' worth of the most registers a thread can have (255, in 256s:
-    every sm_80+ SM has 64 K registers), so at least ``8 // num_warps`` an SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return sms * max(1, 8 // num_warps)
-
-
-def _why_not_paired(P, H, I, BN1, BN2, split1, split2, num_warps, regs, device) -> str | None:
-    """None if PAIRED can run this launch, else what it needs (see :func:`fused_moe`)."""
-    per_pair = (I // BN1) * split1
-    if not regs:
-        return "REGS (the register ring's small shared memory is what its capacity assumes)"
-    if per_pair != (H // BN2) * split2:
-        return (f"as many gate/up as down tiles a pair: (I / BN1) * SPLIT1 = {per_pair}, "
-                f"(H / BN2) * SPLIT2 = {(H // BN2) * split2}")
-    cap = paired_capacity(device, num_warps)
-    if per_pair > cap:
-        return (f"a pair's {per_pair} tiles resident at once, and this GPU surely holds {cap} "
-                f"programs of {num_warps} warps")
-    return None
-
-
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, paired=False):
+                  evict=False, early=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
-    the splits already picked); ``pdl``: as the copy's programmatic dependent launch;
-    ``PREFETCH``: 0, 1 or 2 (evict-last)."""
+    the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
     P = ids.numel()
@@ -1352,11 +1276,10 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    n_gu = P * (I // BN1) * split1
-    grid = (n_gu if paired else n_gu + P * (H // BN2) * split2,)
+    grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
     stamps = counters
-    if TIMELINE:       # a row a tile: gate/up tiles, then down tiles
-        stamps = torch.zeros(n_gu + P * (H // BN2) * split2, 8, dtype=torch.int64, device=dev)
+    if TIMELINE:
+        stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
         _LAST_TIMELINE[:] = [stamps, P * (I // BN1) * split1]
     _decode_kernel[grid](
         xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters,
@@ -1368,7 +1291,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, PAIRED=paired,
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
         launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out

@@ -97,8 +97,8 @@ program ends 2.6 us after the median; then the combine kernel (~5 us in a torch 
 reading). At B 128 / S_q 1 (no split, 64 tiles): 6.4 us, 1.25 us a tile, 3.1 us. (Rows at
 1b1e7ca, with bf16 partials and the swizzled exchange: B 64 / S_q 1 5.9 us, 1.24 us a tile,
 a 2.0 us epilogue, the last program 3.1 us after the median; B 128 / S_q 1 6.4, 1.24, 2.8.) Reaching
-60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needs that fixed cost roughly
-halved, or the tiles faster. By arithmetic (not measured): each wgmma of a tile's scores
+60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needed that fixed cost roughly
+halved, or the tiles faster (it came from the L2 instead: ``EVICT_KV`` below). By arithmetic (not measured): each wgmma of a tile's scores
 (M 64, N 32, K 16) reads 3 KB of shared memory (Q's 2 KB, K's 1 KB) for 32K multiply-adds,
 24 clocks at 128 bytes a clock against the tensor cores' 16, so the scores wait on shared
 memory; 64-row units (4 KB for 64K) would balance them, but the seesaw's ring of three
@@ -130,6 +130,14 @@ a free buffer. So the chain's latency, not its instruction count, sets the pace:
   346.6, B64 S1 57.4 -> 58.1), as the own tile's P V then waits for the other's P.
   Staging the output rows through Q's freed shared memory (stmatrix, one barrier) compiled
   to as many instructions as the register conversion and was not timed.
+* ``EVICT_KV`` (Config.evict_kv; the table's ws entries since session 15, at S_q = 1): the
+  KV gathers under an L2 evict-first policy (kernels/l2_hint.py rewrites the marked kernel's
+  PTX: Gluon's cp.async drops the policy on Triton 3.6). The benchmark's calls meet an L2
+  full of dirty lines; rows read once then stop pushing them out (each a write-back first).
+  A/B at ec05afa: B64 S1 57.9 -> 54.3 us, B32 S1 39.1 -> 36.2, FP8 B64 S1 73.3 -> 71.9; at
+  S_q > 1, where a verify step's positions share rows in L2, no faster (B128 S2 179.1 both)
+  or slower (B128 S4 339.1 -> 348.2), so the launcher applies it at S_q = 1 only. Rows at
+  a861507: B64 S1 54.1 us (0.621 of the roofline) against 58.0 without it in the same run.
 
 Scope: bf16 (or fp16) q and KV cache, or bf16 q and the FP8 cache, H = 64 heads (one
 block), D = d_v = 512, on capability 9.x and 10.x with Triton's Gluon; everything else

@@ -295,21 +295,12 @@ CANDIDATES = [
     # calls) ended at 38.7 us, but with 6 programs an SM where the entry's compile holds 8.
     # `dsv4lab bench moe` rows at b307d7d (BALANCE the default): MXFP4 46.1 against 44.7,
     # NVFP4 47.4 against 46.7 (variant mma2_unbalanced_t1)
-    # round 17 (session 15): PAIRED, each program a gate/up tile then a down tile of its pair,
-    # the down weights asked of the L2 before the gate/up tile (or not), against the entry
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           PAIRED=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=True,
-           PAIRED=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True,
-           PREFETCH="evict_last", PAIRED=True),
-    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=4, EVICT=True,
-           PREFETCH="evict_last", PAIRED=True),
-    _fused(BN1=32, BN2=64, SPLIT1=1, SPLIT2=1, num_warps=2, REGS=4, EVICT=True,
-           PREFETCH="evict_last", PAIRED=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True,
-           PREFETCH="evict_last", PAIRED=True, EARLY=False),
+    # round 17 (session 15; the code is gone): PAIRED, each program a gate/up tile and then a
+    # down tile of its pair (768 programs, every SM the same mix of work), its down weights
+    # asked of the L2 before the gate/up tile or not. Printout at 87ccf91, MXFP4 / NVFP4: the
+    # entry 44.0 / 46.9 us; PAIRED without the prefetch 44.2 / 48.3, with it 48.3 / 49.4, with
+    # an evict-last prefetch 49.3 / 50.1 (the prefetched lines evict the L2's dirty ones);
+    # split 4 / 2 58.7 / 69.3, BN2 64 unsplit 58.1 / 59.3, without EARLY 48.4 / 50.8
 ]
 
 

@@ -37,6 +37,8 @@ pytestmark = pytest.mark.skipif(
     # (two consumers: 32 for the scores, 4 for P V)
     ("sass_sparse_mla_ws.py", "{}", 72),
     ("sass_sparse_mla_ws.py", '{"NUM_BUF": 3, "FP8": true, "LAZY_SS": true, "SPLIT": 0}', 72),
+    # with the KV gathers under L2 evict-first (EVICT_KV, kernels/l2_hint.py's PTX rewrite)
+    ("sass_sparse_mla_ws.py", '{"EVICT_KV": true}', 72),
 ])
 def test_gluon_kernels_compile_for_sm90(script, consts, mma, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -50,3 +52,8 @@ def test_gluon_kernels_compile_for_sm90(script, consts, mma, tmp_path):
     assert int(figures["MMA"]) == mma, line
     assert 0 < int(figures["registers"]) <= 255, line
     assert (tmp_path / "kernel.sass").stat().st_size > 0
+    if "sparse_mla" in script:
+        # EVICT_KV: the bf16 ring's 16 masked copies a thread a tile (32 rows of 1 KB over 128
+        # threads) hinted, Q's unmasked ones not; without it none
+        hinted = (tmp_path / "kernel.ptx").read_text().count(".L2::cache_hint")
+        assert hinted == (16 if "EVICT_KV" in consts else 0)

@@ -976,8 +976,6 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
         with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
-        with pytest.raises(ValueError, match="PREFETCH must be False, True or 'evict_last'"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, PREFETCH="last")
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -1106,49 +1104,6 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
         assert torch.equal(run(EVICT=not launch.get("EVICT", False)), out)
 
 
-# PAIRED launches: (H, I) with tile sizes and splits that give a pair as many gate/up as down
-# tiles ((I / BN1) SPLIT1 == (H / BN2) SPLIT2), including one-warp tiles and a 3-way down split
-_PAIRED_SHAPES = [dict(H=1024, I=512, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2),
-                  dict(H=512, I=512, BN1=32, BN2=32, SPLIT1=1, SPLIT2=1, num_warps=2),
-                  dict(H=1024, I=1536, BN1=32, BN2=32, SPLIT1=2, SPLIT2=3, num_warps=2),
-                  dict(H=512, I=512, BN1=8, BN2=16, SPLIT1=1, SPLIT2=2, num_warps=1),
-                  dict(H=1024, I=512, BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4)]
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=16, deadline=None)
-@given(T=st.integers(1, 8), shape=st.sampled_from(_PAIRED_SHAPES),
-       prefetch=st.sampled_from([False, True, "evict_last"]),
-       **{k: v for k, v in _MMA2_DRAWS.items() if k not in ("H", "I")})
-def test_gpu_mma2_paired_matches_reference(T, shape, prefetch, E, k, fmt, limit, routing, seed):
-    # PAIRED (each program a gate/up tile, then a down tile of the same pair, its down weights
-    # prefetched to L2 first) against the fp32 reference, one token to 8, both formats, -1
-    # slots, every token on one expert, with and without the clamp, each L2 prefetch; the
-    # same bits as the ticketed launch (the sums' order does not change), and refused with the
-    # reason where a pair's gate/up and down tiles differ in number
-    from dsv4lab.kernels import moe_mma2
-    launch = dict(shape)
-    H, I = launch.pop("H"), launch.pop("I")
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-
-    def run(**change):
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, FUSED=True, REGS=None, EVICT=None,
-                                  PREFETCH=prefetch, **kw, **dict(launch, **change))
-    if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="PAIRED needs REGS"):
-            run(PAIRED=True)
-        return
-    out = run(PAIRED=True)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(out, run(PAIRED=False))
-    assert torch.equal(out, run(PAIRED=None))
-    with pytest.raises(ValueError, match="PAIRED needs as many gate/up as down tiles"):
-        run(PAIRED=True, SPLIT1=2 * launch["SPLIT1"])
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -1209,9 +1164,7 @@ def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing
                                         num_warps=2, ACC_SCALE=True),
                                    dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4),
                                    dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4,
-                                        EVICT=True, PREFETCH=False),
-                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4,
-                                        EVICT=True, PREFETCH="evict_last", PAIRED=True)])
+                                        EVICT=True, PREFETCH=False)])
 def test_gpu_mma2_fused_decode_in_graph(fmt, split):
     # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
     # graph and replayed on new routing: the counters start from zero on every replay

@@ -1,0 +1,66 @@
+"""kernels/l2_hint.py: the PTX rewrite that puts a marked Gluon kernel's masked cp.async copies
+under an L2 evict-first policy (CPU: text in, text out; the GPU test that the policy changes
+no bits is tests/test_sparse_mla.py::test_gpu_ws_evict_kv_changes_no_bits, and
+tests/test_gluon_compile.py compiles the marked kernel)."""
+import pytest
+
+import dsv4lab  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+from dsv4lab.kernels import l2_hint
+
+PTX = """.visible .entry k(
+)
+{
+\t.reg .b32 \t%r<9>;
+\t// begin inline asm
+\t// {mark}
+mov.u32 %r1, %r2;
+\t// end inline asm
+\tcp.async.cg.shared.global [ %r3 + 0 ], [ %rd1 + 0 ], 0x10, 0x10;
+\tcp.async.cg.shared.global [ %r4 + 0 ], [ %rd2 + 0 ], 0x10, %r5;
+\tcp.async.ca.shared.global [ %r6 + 0 ], [ %rd3 + 0 ], 0x8, %r7;
+\tret;
+}
+"""
+
+
+def test_unmarked_ptx_is_untouched():
+    ptx = PTX.replace("{mark}", "something else")
+    assert l2_hint.rewrite(ptx) == ptx
+
+
+def test_marked_ptx_hints_the_masked_copies_only():
+    out = l2_hint.rewrite(PTX.replace("{mark}", l2_hint.MARK))
+    # the unmasked copy (a constant src-size: Q's load) stays as it was
+    assert "cp.async.cg.shared.global [ %r3 + 0 ], [ %rd1 + 0 ], 0x10, 0x10;" in out
+    # the masked .cg and .ca copies: a scoped policy register each, then the hinted copy
+    policy = "createpolicy.fractional.L2::evict_first.b64 %l2pol, 0f3F800000;"
+    assert out.count(policy) == 2 and out.count("{ .reg .b64 %l2pol;") == 2
+    assert ("cp.async.cg.shared.global.L2::cache_hint [ %r4 + 0 ], [ %rd2 + 0 ], 0x10, %r5, "
+            "%l2pol; }") in out
+    assert ("cp.async.ca.shared.global.L2::cache_hint [ %r6 + 0 ], [ %rd3 + 0 ], 0x8, %r7, "
+            "%l2pol; }") in out
+    assert l2_hint.rewrite(out.replace(l2_hint.MARK, "gone")) == out.replace(l2_hint.MARK, "gone")
+
+
+def test_marked_ptx_without_a_masked_copy_is_refused():
+    ptx = PTX.replace("{mark}", l2_hint.MARK)
+    ptx = "\n".join(ln for ln in ptx.splitlines() if ", %r5;" not in ln and ", %r7;" not in ln)
+    with pytest.raises(RuntimeError, match="no masked cp.async"):
+        l2_hint.rewrite(ptx)
+
+
+def test_the_hook_is_installed_once_and_names_itself():
+    import triton
+    hook = triton.knobs.runtime.add_stages_inspection_hook
+    assert getattr(hook, "_dsv4lab_l2_hint", False)
+    l2_hint.install()
+    assert triton.knobs.runtime.add_stages_inspection_hook is hook
+    # what Triton 3.9 asks the hook for its cache keys
+    key, digest = hook()
+    assert "l2_hint" in key and len(digest) == 64
+    # the pipeline call wraps the PTX stage only
+    stages = {"llir": lambda src, md: src, "ptx": lambda src, md: src + "\n// " + l2_hint.MARK
+              + "\n\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;"}
+    hook(None, stages, None, None, 90)
+    assert stages["llir"]("x", None) == "x"
+    assert ".L2::cache_hint" in stages["ptx"]("x", None)
