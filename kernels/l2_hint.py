@@ -17,7 +17,8 @@ the mark: each masked ``cp.async`` (a register src-size: the gathers) is given
 just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is
 a constexpr branch, so a kernel with and one without it differ in their cache key, and the
 hook is installed when this module is imported, before any kernel that calls :func:`mark` can
-compile.
+compile. (Triton 3.9 also asks the hook for a name that joins every kernel's cache key, so
+there the first launch of each kernel after the import compiles anew.)
 
 Measured (H200, sparse MLA's ws kernel, ``evict_kv``): A/B printout at ec05afa
 (scripts/ab_sparse_mla.py --knobs evict_kv), B 64 / S_q 1 / topk 2048 bf16 57.9 -> 54.3 us,
