@@ -57,10 +57,10 @@ def rewrite(ptx: str) -> str:
     """PTX with the mark -> its masked ``cp.async`` copies under an L2 evict-first policy (a
     kernel without the mark comes back unchanged), each with its own scoped policy register.
     Two other builds failed: one policy register made at the entry with every copy hinted
-    raised an illegal instruction on the H200 (the register has to live across a
-    warp-specialised kernel's ``setmaxnreg``), and hinting Q's unmasked copies as well gave,
-    in an offline sm_90 compile, LDGSTS instructions that read uniform registers nothing
-    writes. Raises if a marked kernel has no masked copy to give the policy to."""
+    raised an illegal instruction on the H200 (why is not established; that register would
+    have had to live across a warp-specialised kernel's ``setmaxnreg``), and hinting Q's
+    unmasked copies as well gave, in an offline sm_90 compile, LDGSTS instructions that read
+    uniform registers nothing writes (not run). Raises if a marked kernel has no masked copy to give the policy to."""
     if MARK not in ptx:
         return ptx
     out, n = _CP_ASYNC.subn(
