@@ -1,5 +1,5 @@
-"""``cp.async`` with an L2 evict-first policy for the Gluon kernels, on the Triton releases whose
-Gluon drops the policy.
+"""``cp.async`` with an L2 evict-first policy for the Gluon and Triton kernels, whose copies
+drop the policy on the Triton releases here.
 
 Why. The benchmarks time a call after ``do_bench``'s zero-fill flush, which leaves the L2 full
 of dirty lines, as a decode step finds it after the rest of the step's writes. Every line a
@@ -10,9 +10,9 @@ register loads). Gluon's ``cp.async`` takes an ``eviction_policy`` on Triton 3.6
 (its PTX is a plain ``cp.async.cg``), and Triton 3.9's ``async_load`` has a ``cache_policy``
 that no GPU here has run.
 
-How. A kernel that wants the policy calls :func:`mark` once (a PTX comment and one move);
-the compiler hook :func:`install` puts in place rewrites the PTX of every kernel that carries
-the mark: each masked ``cp.async`` (a register src-size: the gathers) is given
+How. A kernel that wants the policy calls :func:`mark` (Gluon) or :func:`mark_tl` (Triton)
+once (a PTX comment and one move); the compiler hook :func:`install` puts in place rewrites
+the PTX of every kernel that carries the mark: each masked ``cp.async`` (a register src-size: the gathers) is given
 ``.L2::cache_hint`` and a policy register made by ``createpolicy.fractional.L2::evict_first``
 just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is
 a constexpr branch, so a kernel with and one without it differ in their cache key, and the
@@ -32,25 +32,38 @@ import hashlib
 import re
 
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
+import triton.language as tl
+
+try:        # Gluon (Triton 3.4+) for the warp-specialised kernels' mark
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:
+    gluon = None
 
 MARK = "dsv4lab: cp.async L2::evict_first"
-_MARK_ASM = gl.constexpr("// " + MARK + "\nmov.u32 $0, $1;")
+_MARK_ASM = tl.constexpr("// " + MARK + "\nmov.u32 $0, $1;")
 # a masked copy (.cg 16 bytes, or .ca 4 / 8 / 16) with a register src-size (0: a masked-off
-# row, zero-filled)
-_CP_ASYNC = re.compile(r"cp\.async\.(c[ag])\.shared\.global \[([^\]]*)\], \[([^\]]*)\], "
-                       r"(0x[0-9a-f]+, %r\d+);")
+# row, zero-filled), perhaps under a predicate (Triton's pipelined loads)
+_CP_ASYNC = re.compile(r"(@!?%p\d+ +)?cp\.async\.(c[ag])\.shared\.global \[([^\]]*)\], "
+                       r"\[([^\]]*)\], (0x[0-9a-f]+, %r\d+);")
 
 
-@gluon.jit
-def mark(num_warps: gl.constexpr):
-    """Ask :func:`install`'s hook to give this kernel's ``cp.async`` copies the L2
-    evict-first policy (a PTX comment and a register move; call it where ``num_warps``
-    warps run)."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    gl.inline_asm_elementwise(_MARK_ASM, "=r,r", [gl.arange(0, 32 * num_warps, layout=one)],
-                              dtype=gl.int32, is_pure=False, pack=1)
+@triton.jit
+def mark_tl():
+    """:func:`mark` for a Triton (``tl``) kernel."""
+    tl.inline_asm_elementwise(_MARK_ASM, "=r,r", [tl.zeros([1], tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+if gluon is not None:
+    @gluon.jit
+    def mark(num_warps: gl.constexpr):
+        """Ask :func:`install`'s hook to give this Gluon kernel's masked ``cp.async`` copies
+        the L2 evict-first policy (a PTX comment and a register move; call it where
+        ``num_warps`` warps run)."""
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        gl.inline_asm_elementwise(_MARK_ASM, "=r,r", [gl.arange(0, 32 * num_warps, layout=one)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 def rewrite(ptx: str) -> str:
@@ -66,8 +79,8 @@ def rewrite(ptx: str) -> str:
     out, n = _CP_ASYNC.subn(
         lambda m: ("{ .reg .b64 %l2pol; "
                    "createpolicy.fractional.L2::evict_first.b64 %l2pol, 0f3F800000; "
-                   f"cp.async.{m.group(1)}.shared.global.L2::cache_hint [{m.group(2)}], "
-                   f"[{m.group(3)}], {m.group(4)}, %l2pol; }}"), ptx)
+                   f"{m.group(1) or ''}cp.async.{m.group(2)}.shared.global.L2::cache_hint "
+                   f"[{m.group(3)}], [{m.group(4)}], {m.group(5)}, %l2pol; }}"), ptx)
     if n == 0:
         raise RuntimeError("l2_hint: the marked kernel has no masked cp.async to give the "
                            "policy to")
@@ -95,16 +108,28 @@ def _hook(*args, _chained=None):
         stages["ptx"] = lambda src, metadata: rewrite(make_ptx(src, metadata))
 
 
-def install() -> None:
+def install() -> bool:
     """Put the PTX rewrite in Triton's compiler pipeline (once; a hook already there keeps
-    running first)."""
-    runtime = triton.knobs.runtime
+    running first) -> whether it is in place: Triton releases without the stage hook
+    (``triton.knobs.runtime.add_stages_inspection_hook``, 3.5 and later) cannot take it, and
+    their launchers then leave the policy out (:func:`installed`)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "add_stages_inspection_hook"):
+        return False
     current = runtime.add_stages_inspection_hook
     if getattr(current, "_dsv4lab_l2_hint", False):
-        return
+        return True
     hook = functools.partial(_hook, _chained=current)
     hook._dsv4lab_l2_hint = True
     runtime.add_stages_inspection_hook = hook
+    return True
+
+
+def installed() -> bool:
+    """Whether the rewrite is in Triton's pipeline (a marked kernel compiled without it keeps
+    the plain copies: the policy is a speed-up, never a change of results)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return getattr(getattr(runtime, "add_stages_inspection_hook", None), "_dsv4lab_l2_hint", False)
 
 
 install()

@@ -91,6 +91,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from dsv4lab.kernels import l2_hint
 from dsv4lab.kernels.device import gluon_unsupported, pdl_ok, sm_count
 
 LOG2E = 1.4426950408889634
@@ -314,9 +315,12 @@ def _sparse_mla_mma_kernel(
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, KDTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
     SCAN_N: tl.constexpr, PREFETCH: tl.constexpr = False, PIPE_GATHER: tl.constexpr = False,
     KQ_T: tl.constexpr = False, SPLIT_QK: tl.constexpr = False, PDL: tl.constexpr = False,
+    EVICT_KV: tl.constexpr = False,
 ):
     if PDL:     # the combine (a programmatic dependent launch) may be scheduled now
         gdc_launch_dependents()
+    if EVICT_KV:    # the row gathers' cp.async under an L2 evict-first policy (l2_hint)
+        l2_hint.mark_tl()
     # program -> (head block, split, query position); head blocks of one query are
     # neighbours so they gather the same rows at about the same time (L2 hits)
     pid = tl.program_id(0)
@@ -579,8 +583,9 @@ class Config(NamedTuple):
     launched as a programmatic dependent launch (sm_90+; ignored elsewhere): the split
     kernel lets it be scheduled at once, and it waits (``griddepcontrol.wait``) for the
     split kernel's results, so its launch overlaps the split kernel's tail; ``p_swizzle``:
-    with ``ws`` and ``seesaw``, the P exchange buffers swizzled; ``evict_kv``: with ``ws``
-    and S_q = 1, the KV gathers under an L2 evict-first policy (kernels/l2_hint.py)."""
+    with ``ws`` and ``seesaw``, the P exchange buffers swizzled; ``evict_kv``: at S_q = 1,
+    the KV gathers' cp.async under an L2 evict-first policy (kernels/l2_hint.py; on a GPU,
+    where the compiler hook is in place)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -937,6 +942,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             KQ_T=bool(cfg.kq_t and v_from_k and not (cfg.prefetch or cfg.pipe_gather or fp8)),
             SPLIT_QK=bool(cfg.split_qk and v_from_k and not (cfg.prefetch or cfg.kq_t)),
             PDL=split and bool(cfg.pdl) and pdl_ok(dev),
+            EVICT_KV=bool(cfg.evict_kv) and S_q == 1 and not interp and l2_hint.installed(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is not None and config.kq_t and fp8 and not (interp or dev.type != "cuda"):

@@ -18,6 +18,7 @@ mov.u32 %r1, %r2;
 \tcp.async.cg.shared.global [ %r3 + 0 ], [ %rd1 + 0 ], 0x10, 0x10;
 \tcp.async.cg.shared.global [ %r4 + 0 ], [ %rd2 + 0 ], 0x10, %r5;
 \tcp.async.ca.shared.global [ %r6 + 0 ], [ %rd3 + 0 ], 0x8, %r7;
+\t@%p1 cp.async.cg.shared.global [ %r8 + 0 ], [ %rd4 + 0 ], 0x10, %r9;
 \tret;
 }
 """
@@ -34,17 +35,20 @@ def test_marked_ptx_hints_the_masked_copies_only():
     assert "cp.async.cg.shared.global [ %r3 + 0 ], [ %rd1 + 0 ], 0x10, 0x10;" in out
     # the masked .cg and .ca copies: a scoped policy register each, then the hinted copy
     policy = "createpolicy.fractional.L2::evict_first.b64 %l2pol, 0f3F800000;"
-    assert out.count(policy) == 2 and out.count("{ .reg .b64 %l2pol;") == 2
+    assert out.count(policy) == 3 and out.count("{ .reg .b64 %l2pol;") == 3
     assert ("cp.async.cg.shared.global.L2::cache_hint [ %r4 + 0 ], [ %rd2 + 0 ], 0x10, %r5, "
             "%l2pol; }") in out
     assert ("cp.async.ca.shared.global.L2::cache_hint [ %r6 + 0 ], [ %rd3 + 0 ], 0x8, %r7, "
             "%l2pol; }") in out
+    # a predicated copy (Triton's pipelined loads) keeps its predicate inside the scope
+    assert ("%l2pol, 0f3F800000; @%p1 cp.async.cg.shared.global.L2::cache_hint [ %r8 + 0 ], "
+            "[ %rd4 + 0 ], 0x10, %r9, %l2pol; }") in out
     assert l2_hint.rewrite(out.replace(l2_hint.MARK, "gone")) == out.replace(l2_hint.MARK, "gone")
 
 
 def test_marked_ptx_without_a_masked_copy_is_refused():
     ptx = PTX.replace("{mark}", l2_hint.MARK)
-    ptx = "\n".join(ln for ln in ptx.splitlines() if ", %r5;" not in ln and ", %r7;" not in ln)
+    ptx = "\n".join(ln for ln in ptx.splitlines() if not ln.endswith(("%r5;", "%r7;", "%r9;")))
     with pytest.raises(RuntimeError, match="no masked cp.async"):
         l2_hint.rewrite(ptx)
 

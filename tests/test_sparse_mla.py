@@ -869,6 +869,30 @@ def test_gpu_ws_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant, fp8", [("sqk_n64", False), ("sqk_pg_n32_s3", False),
+                                          ("fp8fast_sqk_pg_n64_s3", True), ("fp8fast_n64", True)])
+@pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (8, 1, 2048, None),
+                                                (7, 1, 777, 1), (2, 3, 300, None)])
+def test_gpu_mma_evict_kv_changes_no_bits(variant, fp8, B, S, topk, splits):
+    """The Triton MMA kernel's row gathers under an L2 evict-first policy (``evict_kv`` at
+    S_q = 1: its pipelined, predicated cp.async rewritten, kernels/l2_hint.py) give the
+    unmarked kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query."""
+    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    cfg = mma_variants()[variant]
+    if splits is not None:
+        cfg = cfg._replace(splits=splits)
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=B * 3 + S,
+                                empty_rows=[(0, 0)], device="cuda")
+    plain = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
+    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg._replace(evict_kv=True),
+                                             d_v=512, attn_sink=snk)
+    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
+    assert_matches_reference(q, out, lse, ref, ref_lse)
+
+
+@pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
 @pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy"])
