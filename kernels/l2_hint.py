@@ -20,6 +20,13 @@ hook is installed when this module is imported, before any kernel that calls :fu
 compile. (Triton 3.9 also asks the hook for a name that joins every kernel's cache key, so
 there the first launch of each kernel after the import compiles anew.)
 
+Guarded twice. ptxas has miscompiled some hinted copies (the Triton kernel's tiny-batch
+launch, 16 heads a program: an LDGSTS reading uniform registers nothing writes, an illegal
+instruction on the H200), so the hook reads a marked kernel's SASS and, if a copy reads such a
+register, builds the unhinted PTX instead (:func:`_descriptors_ok`; the compiled kernel's
+metadata ``l2_evict_first`` says which). And the launchers mark their kernels only on the
+Triton releases the hinted kernels have run on (:func:`active`).
+
 Measured (H200, sparse MLA's ws kernel, ``evict_kv``): A/B printout at ec05afa
 (scripts/ab_sparse_mla.py --knobs evict_kv), B 64 / S_q 1 / topk 2048 bf16 57.9 -> 54.3 us,
 FP8 73.3 -> 71.9; `dsv4lab bench sparse_mla` rows at a861507: 54.1 us against 58.0 for the
@@ -29,7 +36,10 @@ Explained in notebooks/02_mma_attention.ipynb.
 """
 import functools
 import hashlib
+import os
 import re
+import subprocess
+import tempfile
 
 import triton
 import triton.language as tl
@@ -41,7 +51,14 @@ except ImportError:
     gluon = None
 
 MARK = "dsv4lab: cp.async L2::evict_first"
-_MARK_ASM = tl.constexpr("// " + MARK + "\nmov.u32 $0, $1;")
+# this file's hash, in the mark and in the hook's cache key: a change to the rewrite or to its
+# check then compiles the marked kernels anew (Triton 3.6 keys its cache on the kernel's
+# source and the globals it reads, not on the hook)
+_SOURCE = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]
+# a marked kernel's compiled metadata: "hinted", or "plain (ptxas descriptor)" when its
+# hinted build failed :func:`_descriptors_ok` and the unhinted PTX was built instead
+METADATA_KEY = "l2_evict_first"
+_MARK_ASM = tl.constexpr(f"// {MARK} {_SOURCE}\nmov.u32 $0, $1;")
 # a masked copy (.cg 16 bytes, or .ca 4 / 8 / 16) with a register src-size (0: a masked-off
 # row, zero-filled), perhaps under a predicate (Triton's pipelined loads)
 _CP_ASYNC = re.compile(r"(@!?%p\d+ +)?cp\.async\.(c[ag])\.shared\.global \[([^\]]*)\], "
@@ -87,14 +104,49 @@ def rewrite(ptx: str) -> str:
     return out
 
 
+def _descriptors_ok(cubin: bytes) -> bool:
+    """Whether every uniform register the cubin's ``LDGSTS`` (cp.async) instructions read, for
+    their shared-memory offset or their memory descriptor (which holds the L2 policy), is
+    written by some instruction. ptxas 12.8 (Triton 3.6's, sm_90) built some hinted copies as
+    ``LDGSTS [R+UR0+...], desc[UR1]`` with nothing writing UR0 or UR1, and the H200 raised an
+    illegal instruction on such a build. A necessary check, not a proof. False also when the
+    SASS cannot be read (no cuobjdump): then nothing is hinted."""
+    tool = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "cuobjdump", None)
+    path = getattr(tool, "path", None)
+    if not path:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "kernel.cubin")
+        with open(binary, "wb") as f:
+            f.write(cubin)
+        run = subprocess.run([path, "-sass", binary], capture_output=True, text=True)
+    return run.returncode == 0 and sass_uniforms_written(run.stdout)
+
+
+def sass_uniforms_written(sass: str) -> bool:
+    """:func:`_descriptors_ok` on cuobjdump's SASS text: every ``URn`` an ``LDGSTS`` reads is
+    the destination of some instruction (a ``.64`` destination writes ``URn`` and ``URn+1``)."""
+    written = set()
+    for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_]*(\.[A-Z0-9_.]+)?\s+UR(\d+)\b",
+                         sass):
+        n = int(m.group(2))
+        written.update((n, n + 1) if ".64" in (m.group(1) or "") else (n,))
+    read = set()
+    for ldgsts in re.findall(r"LDGSTS[^;]*", sass):
+        read.update(int(n) for n in re.findall(r"\bUR(\d+)\b", ldgsts))
+    return read <= written
+
+
 # what the rewrite is, for the cache key of the releases that ask the hook for one (3.9)
-_KEY = "dsv4lab.l2_hint:masked-cp.async-evict_first:1"
+_KEY = f"dsv4lab.l2_hint:{_SOURCE}"
 
 
 def _hook(*args, _chained=None):
     """Triton's stage hook. Called with the pipeline (backend, stages, options, language,
-    capability): wraps its PTX stage in :func:`rewrite`. Called with nothing (Triton 3.9, for
-    its cache keys): -> (key, hash) naming the rewrite (and any hook chained before it)."""
+    capability): its PTX stage through :func:`rewrite`, and a marked kernel's cubin checked
+    (:func:`_descriptors_ok`) and, if it fails, built again from the unhinted PTX. Called with
+    nothing (Triton 3.9, for its cache keys): -> (key, hash) naming the rewrite (and any hook
+    chained before it)."""
     if not args:
         key = _KEY
         if _chained is not None:
@@ -103,9 +155,28 @@ def _hook(*args, _chained=None):
     if _chained is not None:
         _chained(*args)
     stages = args[1]
-    make_ptx = stages.get("ptx")
-    if make_ptx is not None:
-        stages["ptx"] = lambda src, metadata: rewrite(make_ptx(src, metadata))
+    make_ptx, make_cubin = stages.get("ptx"), stages.get("cubin")
+    if make_ptx is None or make_cubin is None:
+        return
+    plain = {}       # this compile's PTX before the rewrite, when the rewrite changed it
+
+    def ptx_stage(src, metadata):
+        ptx = make_ptx(src, metadata)
+        hinted = rewrite(ptx)
+        if hinted is not ptx:
+            plain["ptx"] = ptx
+        return hinted
+
+    def cubin_stage(src, metadata):
+        cubin = make_cubin(src, metadata)
+        if "ptx" in plain:       # a marked kernel: the outcome goes into its metadata
+            metadata[METADATA_KEY] = "hinted"
+            if not _descriptors_ok(cubin):
+                cubin = make_cubin(plain["ptx"], metadata)
+                metadata[METADATA_KEY] = "plain (ptxas descriptor)"
+        return cubin
+
+    stages["ptx"], stages["cubin"] = ptx_stage, cubin_stage
 
 
 def install() -> bool:
@@ -125,11 +196,20 @@ def install() -> bool:
     return True
 
 
-def installed() -> bool:
-    """Whether the rewrite is in Triton's pipeline (a marked kernel compiled without it keeps
-    the plain copies: the policy is a speed-up, never a change of results)."""
+# Triton releases whose hinted kernels have run on a GPU here (the H200's Triton 3.6); on the
+# others the hook still rewrites a marked kernel (tests/test_gluon_compile.py compiles one on
+# CI's Triton), but the launchers do not mark theirs (:func:`active`)
+VALIDATED_TRITON = ((3, 6),)
+
+
+def active() -> bool:
+    """Whether the launchers should mark their kernels: the rewrite is in Triton's pipeline and
+    this Triton release is one of :data:`VALIDATED_TRITON`. (The policy is a speed-up, never a
+    change of results: an unmarked kernel computes the same bits.)"""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return getattr(getattr(runtime, "add_stages_inspection_hook", None), "_dsv4lab_l2_hint", False)
+    hooked = getattr(getattr(runtime, "add_stages_inspection_hook", None), "_dsv4lab_l2_hint", False)
+    release = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
+    return bool(hooked) and release in VALIDATED_TRITON
 
 
 install()

@@ -942,7 +942,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             KQ_T=bool(cfg.kq_t and v_from_k and not (cfg.prefetch or cfg.pipe_gather or fp8)),
             SPLIT_QK=bool(cfg.split_qk and v_from_k and not (cfg.prefetch or cfg.kq_t)),
             PDL=split and bool(cfg.pdl) and pdl_ok(dev),
-            EVICT_KV=bool(cfg.evict_kv) and S_q == 1 and not interp and l2_hint.installed(),
+            EVICT_KV=bool(cfg.evict_kv) and S_q == 1 and not interp and l2_hint.active(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is not None and config.kq_t and fp8 and not (interp or dev.type != "cuda"):

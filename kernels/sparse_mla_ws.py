@@ -958,7 +958,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
         PDL=pdl, LAZY_SS=bool(lazy) and seesaw, P_SWIZZLE=bool(p_swizzle) and seesaw,
-        EVICT_KV=bool(evict_kv) and S_q == 1 and l2_hint.installed())
+        EVICT_KV=bool(evict_kv) and S_q == 1 and l2_hint.active())
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse

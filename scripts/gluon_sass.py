@@ -113,11 +113,13 @@ def compile_report(fn, sig: dict, consts: dict, aligned, *, cc: int = 90, num_wa
                 stack=int(stack.group(1)) if stack else None,
                 spill_stores=len(re.findall(r"\bSTL", sass)), shared=ck.metadata.shared,
                 instructions=len(re.findall(r"/\*[0-9a-f]{4,5}\*/", sass)),
-                mma=len(re.findall(r"\bH(?:G)?MMA\b", sass)), loops=loops, sass=sass)
+                mma=len(re.findall(r"\bH(?:G)?MMA\b", sass)), loops=loops, sass=sass,
+                l2_hint=getattr(ck.metadata, "l2_evict_first", None))
 
 
 def summary(r: dict) -> str:
     """One line of :func:`compile_report`'s figures."""
     return (f"triton {r['triton']}, sm_{r['cc']}: registers {r['registers']}, stack {r['stack']} B, "
             f"spill stores {r['spill_stores']}, shared {r['shared']} B, {r['instructions']} "
-            f"instructions, MMA {r['mma']}, loop lengths {r['loops']}")
+            f"instructions, MMA {r['mma']}, loop lengths {r['loops']}"
+            + (f", L2 hint {r['l2_hint']}" if r.get("l2_hint") else ""))

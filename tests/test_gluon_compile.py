@@ -57,3 +57,5 @@ def test_gluon_kernels_compile_for_sm90(script, consts, mma, tmp_path):
         # threads) hinted, Q's unmasked ones not; without it none
         hinted = (tmp_path / "kernel.ptx").read_text().count(".L2::cache_hint")
         assert hinted == (16 if "EVICT_KV" in consts else 0)
+        # and the cubin is the hinted build (its descriptors passed l2_hint's SASS check)
+        assert ("L2 hint hinted" in line) == ("EVICT_KV" in consts), line

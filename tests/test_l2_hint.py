@@ -62,9 +62,45 @@ def test_the_hook_is_installed_once_and_names_itself():
     # what Triton 3.9 asks the hook for its cache keys
     key, digest = hook()
     assert "l2_hint" in key and len(digest) == 64
-    # the pipeline call wraps the PTX stage only
-    stages = {"llir": lambda src, md: src, "ptx": lambda src, md: src + "\n// " + l2_hint.MARK
-              + "\n\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;"}
+    # the pipeline call wraps the PTX and cubin stages, no other
+    llir = lambda src, md: src        # noqa: E731
+    stages = {"llir": llir, "ptx": lambda src, md: src + "\n// " + l2_hint.MARK
+              + "\n\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;",
+              "cubin": lambda src, md: src}
     hook(None, stages, None, None, 90)
-    assert stages["llir"]("x", None) == "x"
-    assert ".L2::cache_hint" in stages["ptx"]("x", None)
+    assert stages["llir"] is llir
+    assert ".L2::cache_hint" in stages["ptx"]("x", {})
+
+
+def test_sass_check_finds_unwritten_uniform_registers():
+    # the ptxas 12.8 build the H200 refused (illegal instruction): a hinted LDGSTS reading UR0
+    # and UR1, which nothing writes; and a good one, whose descriptor pair a ULDC.64 writes
+    bad = ("        /*1360*/                   ULDC.64 UR12, c[0x0][0x208] ;\n"
+           "        /*1370*/              @!P5 LDGSTS.E [R6+UR0+0x14800], desc[UR1][R12.64], P4 ;\n")
+    good = ("        /*0030*/                   ULDC.64 UR4, c[0x0][0x208] ;\n"
+            "        /*0040*/                   R2UR UR6, R9 ;\n"
+            "        /*f330*/                   LDGSTS.E.BYPASS.128 [R9+UR6+0x20000], desc[UR4][R2.64] ;\n"
+            "        /*f340*/                   LDGSTS.E.BYPASS.128 [R9+0x20400], desc[UR5][R2.64] ;\n")
+    assert not l2_hint.sass_uniforms_written(bad)
+    assert l2_hint.sass_uniforms_written(good)
+    assert l2_hint.sass_uniforms_written("no copies at all")
+
+
+def test_a_hinted_build_that_fails_the_check_is_built_again_unhinted(monkeypatch):
+    # the hook's cubin stage: a marked kernel's cubin that fails the SASS check is replaced by
+    # the build of the PTX before the rewrite, and the metadata says so; one that passes stays
+    hook = __import__("triton").knobs.runtime.add_stages_inspection_hook
+    marked = "// " + l2_hint.MARK + "\n\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;"
+    for ok in (False, True):
+        built = []
+        stages = {"ptx": lambda src, md: marked, "cubin": lambda src, md: built.append(src) or src}
+        monkeypatch.setattr(l2_hint, "_descriptors_ok", lambda cubin, ok=ok: ok)
+        hook(None, stages, None, None, 90)
+        meta = {}
+        cubin = stages["cubin"](stages["ptx"]("ttgir", meta), meta)
+        assert ".L2::cache_hint" in built[0]
+        if ok:
+            assert cubin == built[0] and meta[l2_hint.METADATA_KEY] == "hinted"
+        else:
+            assert cubin == marked and built[1] == marked
+            assert meta[l2_hint.METADATA_KEY] == "plain (ptxas descriptor)"
