@@ -650,8 +650,13 @@ DEVICE_TABLE: dict = {
                                   p_swizzle=True, evict_kv=True),
         ("bf16", "mid"): Config(32, 8, 4, 64, ws=True, seesaw=True, part16=True, pdl=True,
                                 p_swizzle=True, evict_kv=True),
+        # evict_kv on the Triton kernel's small entries and FP8's tiny one (A/B printout at
+        # 28f946c: B16 S1 T2048 34.5 -> 33.6 us, FP8 36.1 -> 35.6; B8 S1 T2048 24.2 -> 24.0,
+        # FP8 24.8 -> 24.2; B2 S1 FP8 29.0 -> 28.6; none slower). bf16 tiny (16 heads a
+        # program) is left out: ptxas built its hinted copies wrongly, so l2_hint builds it
+        # unhinted anyway
         ("bf16", "small"): Config(64, 8, 2, 64, False, 0, None,   # 25.5 us at B8 S1 T2048
-                                  part16=True),
+                                  part16=True, evict_kv=True),
         ("bf16", "tiny"): Config(64, 4, 2, 16, False, 0, None,    # 10.1 us at B1 S1 T640
                                  part16=True, pdl=True),
         # fp8 large/mid: variant ws_ss_n32_b3 with the FP8 producer (kernels/sparse_mla_ws.py):
@@ -673,9 +678,9 @@ DEVICE_TABLE: dict = {
         ("fp8", "mid"): Config(32, 8, 3, 64, ws=True, seesaw=True, part16=True, pdl=True,
                                p_swizzle=True, evict_kv=True),
         ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, fp8_fast=True, split_qk=True,
-                                 part16=True),
+                                 part16=True, evict_kv=True),
         ("fp8", "tiny"): Config(32, 4, 2, 16, False, 0, None,    # 17.6 us at B1 S1 T640
-                                part16=True, pdl=True),
+                                part16=True, pdl=True, evict_kv=True),
     },
 }
 
