@@ -871,15 +871,24 @@ def test_gpu_ws_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant, fp8", [("sqk_n64", False), ("sqk_pg_n32_s3", False),
-                                          ("fp8fast_sqk_pg_n64_s3", True), ("fp8fast_n64", True)])
+                                          ("fp8fast_sqk_pg_n64_s3", True), ("fp8fast_n64", True),
+                                          ("table:small", False), ("table:tiny", False),
+                                          ("table:tiny", True)])
 @pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (8, 1, 2048, None),
                                                 (7, 1, 777, 1), (2, 3, 300, None)])
 def test_gpu_mma_evict_kv_changes_no_bits(variant, fp8, B, S, topk, splits):
     """The Triton MMA kernel's row gathers under an L2 evict-first policy (``evict_kv`` at
     S_q = 1: its pipelined, predicated cp.async rewritten, kernels/l2_hint.py) give the
-    unmarked kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query."""
+    unmarked kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query.
+    ``table:<class>``: the H200 table's entry of that class (bf16 tiny: a launch whose hinted
+    build ptxas got wrong, so l2_hint builds it unhinted)."""
+    from dsv4lab.kernels.sparse_mla_mma import DEVICE_TABLE
     from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    cfg = mma_variants()[variant]
+    if variant.startswith("table:"):
+        entry = DEVICE_TABLE["NVIDIA H200"][("fp8" if fp8 else "bf16", variant[6:])]
+        cfg = entry._replace(evict_kv=False)
+    else:
+        cfg = mma_variants()[variant]
     if splits is not None:
         cfg = cfg._replace(splits=splits)
     q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=B * 3 + S,
