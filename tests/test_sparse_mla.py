@@ -854,11 +854,18 @@ def test_gpu_ws_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
     kernel's PTX rewritten, kernels/l2_hint.py; S_q > 1 runs unmarked) give the unmarked
     kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query; and both
     match the reference."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    cfg = mma_variants()["ws_ss_n32_b3" if fp8 else "ws_ss_n32_b4_psw"]
+    from dsv4lab.ops.attention import mma_variants
+    _check_evict_kv(mma_variants()["ws_ss_n32_b3" if fp8 else "ws_ss_n32_b4_psw"], fp8, B, S,
+                    topk, splits, seed=B + S)
+
+
+def _check_evict_kv(cfg, fp8, B, S, topk, splits, seed):
+    """``cfg`` (split ``splits`` ways unless None) with and without ``evict_kv``: the same bits,
+    and both the reference's."""
+    from dsv4lab.ops.attention import sparse_mla_decode_with_config
     if splits is not None:
         cfg = cfg._replace(splits=splits)
-    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=B + S,
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=seed,
                                 empty_rows=[(0, 0)], device="cuda")
     plain = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
     out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg._replace(evict_kv=True),
@@ -883,22 +890,13 @@ def test_gpu_mma_evict_kv_changes_no_bits(variant, fp8, B, S, topk, splits):
     ``table:<class>``: the H200 table's entry of that class (bf16 tiny: a launch whose hinted
     build ptxas got wrong, so l2_hint builds it unhinted)."""
     from dsv4lab.kernels.sparse_mla_mma import DEVICE_TABLE
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    from dsv4lab.ops.attention import mma_variants
     if variant.startswith("table:"):
         entry = DEVICE_TABLE["NVIDIA H200"][("fp8" if fp8 else "bf16", variant[6:])]
         cfg = entry._replace(evict_kv=False)
     else:
         cfg = mma_variants()[variant]
-    if splits is not None:
-        cfg = cfg._replace(splits=splits)
-    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=B * 3 + S,
-                                empty_rows=[(0, 0)], device="cuda")
-    plain = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
-    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg._replace(evict_kv=True),
-                                             d_v=512, attn_sink=snk)
-    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    assert_matches_reference(q, out, lse, ref, ref_lse)
+    _check_evict_kv(cfg, fp8, B, S, topk, splits, seed=B * 3 + S)
 
 
 @pytest.mark.gpu
