@@ -90,7 +90,8 @@ def rewrite(ptx: str) -> str:
     raised an illegal instruction on the H200 (why is not established; that register would
     have had to live across a warp-specialised kernel's ``setmaxnreg``), and hinting Q's
     unmasked copies as well gave, in an offline sm_90 compile, LDGSTS instructions that read
-    uniform registers nothing writes (not run). Raises if a marked kernel has no masked copy to give the policy to."""
+    uniform registers nothing writes (not run). Raises if a marked kernel has no masked copy
+    to give the policy to."""
     if MARK not in ptx:
         return ptx
     out, n = _CP_ASYNC.subn(
