@@ -12,9 +12,9 @@ that no GPU here has run.
 
 How. A kernel that wants the policy calls :func:`mark` (Gluon) or :func:`mark_tl` (Triton)
 once (a PTX comment and one move); the compiler hook :func:`install` puts in place rewrites
-the PTX of every kernel that carries the mark: each masked ``cp.async`` (a register src-size: the gathers) is given
-``.L2::cache_hint`` and a policy register made by ``createpolicy.fractional.L2::evict_first``
-just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is
+the PTX of every kernel that carries the mark: each masked ``cp.async`` (a register src-size:
+the gathers) is given ``.L2::cache_hint`` and a policy register made by
+``createpolicy.fractional.L2::evict_first`` just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is
 a constexpr branch, so a kernel with and one without it differ in their cache key, and the
 hook is installed when this module is imported, before any kernel that calls :func:`mark` can
 compile. (Triton 3.9 also asks the hook for a name that joins every kernel's cache key, so
@@ -208,7 +208,8 @@ def active() -> bool:
     this Triton release is one of :data:`VALIDATED_TRITON`. (The policy is a speed-up, never a
     change of results: an unmarked kernel computes the same bits.)"""
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    hooked = getattr(getattr(runtime, "add_stages_inspection_hook", None), "_dsv4lab_l2_hint", False)
+    hook = getattr(runtime, "add_stages_inspection_hook", None)
+    hooked = getattr(hook, "_dsv4lab_l2_hint", False)
     release = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
     return bool(hooked) and release in VALIDATED_TRITON
 

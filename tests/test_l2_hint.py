@@ -75,12 +75,12 @@ def test_the_hook_is_installed_once_and_names_itself():
 def test_sass_check_finds_unwritten_uniform_registers():
     # the ptxas 12.8 build the H200 refused (illegal instruction): a hinted LDGSTS reading UR0
     # and UR1, which nothing writes; and a good one, whose descriptor pair a ULDC.64 writes
-    bad = ("        /*1360*/                   ULDC.64 UR12, c[0x0][0x208] ;\n"
-           "        /*1370*/              @!P5 LDGSTS.E [R6+UR0+0x14800], desc[UR1][R12.64], P4 ;\n")
-    good = ("        /*0030*/                   ULDC.64 UR4, c[0x0][0x208] ;\n"
-            "        /*0040*/                   R2UR UR6, R9 ;\n"
-            "        /*f330*/                   LDGSTS.E.BYPASS.128 [R9+UR6+0x20000], desc[UR4][R2.64] ;\n"
-            "        /*f340*/                   LDGSTS.E.BYPASS.128 [R9+0x20400], desc[UR5][R2.64] ;\n")
+    bad = ("        /*1360*/      ULDC.64 UR12, c[0x0][0x208] ;\n"
+           "        /*1370*/ @!P5 LDGSTS.E [R6+UR0+0x14800], desc[UR1][R12.64], P4 ;\n")
+    good = ("        /*0030*/      ULDC.64 UR4, c[0x0][0x208] ;\n"
+            "        /*0040*/      R2UR UR6, R9 ;\n"
+            "        /*f330*/      LDGSTS.E.BYPASS.128 [R9+UR6+0x20000], desc[UR4][R2.64] ;\n"
+            "        /*f340*/      LDGSTS.E.BYPASS.128 [R9+0x20400], desc[UR5][R2.64] ;\n")
     assert not l2_hint.sass_uniforms_written(bad)
     assert l2_hint.sass_uniforms_written(good)
     assert l2_hint.sass_uniforms_written("no copies at all")
@@ -90,7 +90,8 @@ def test_a_hinted_build_that_fails_the_check_is_built_again_unhinted(monkeypatch
     # the hook's cubin stage: a marked kernel's cubin that fails the SASS check is replaced by
     # the build of the PTX before the rewrite, and the metadata says so; one that passes stays
     hook = __import__("triton").knobs.runtime.add_stages_inspection_hook
-    marked = "// " + l2_hint.MARK + "\n\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;"
+    marked = ("// " + l2_hint.MARK
+              + "\n\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;")
     for ok in (False, True):
         built = []
         stages = {"ptx": lambda src, md: marked, "cubin": lambda src, md: built.append(src) or src}
