@@ -14,11 +14,12 @@ How. A kernel that wants the policy calls :func:`mark` (Gluon) or :func:`mark_tl
 once (a PTX comment and one move); the compiler hook :func:`install` puts in place rewrites
 the PTX of every kernel that carries the mark: each masked ``cp.async`` (a register src-size:
 the gathers) is given ``.L2::cache_hint`` and a policy register made by
-``createpolicy.fractional.L2::evict_first`` just before it (PTX ISA 7.4, sm_80+). Kernels without the mark compile untouched; the mark is
-a constexpr branch, so a kernel with and one without it differ in their cache key, and the
-hook is installed when this module is imported, before any kernel that calls :func:`mark` can
-compile. (Triton 3.9 also asks the hook for a name that joins every kernel's cache key, so
-there the first launch of each kernel after the import compiles anew.)
+``createpolicy.fractional.L2::evict_first`` just before it (PTX ISA 7.4, sm_80+). Kernels
+without the mark compile untouched; the mark is a constexpr branch, so a kernel with and one
+without it differ in their cache key, and the hook is installed when this module is imported,
+before any kernel that calls :func:`mark` can compile. (Triton 3.9 also asks the hook for a
+name that joins every kernel's cache key, so there the first launch of each kernel after the
+import compiles anew.)
 
 Guarded twice. ptxas has miscompiled some hinted copies (the Triton kernel's tiny-batch
 launch, 16 heads a program: an LDGSTS reading uniform registers nothing writes, an illegal
