@@ -19,10 +19,15 @@ def sm_count(device: torch.device, cpu: int) -> int:
     return _SM_COUNT[idx]
 
 
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET`` set)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def pdl_ok(device: torch.device) -> bool:
     """Whether a programmatic dependent launch (``launch_pdl``; ``griddepcontrol``) is
     available: a CUDA device of sm_90 or newer, not under Triton's interpreter."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
@@ -47,15 +52,23 @@ def gluon_unsupported(version: str | None = None) -> str | None:
     return _gluon_reason(version, os.environ.get("DSV4LAB_GLUON_ANY_TRITON", "0") == "1")
 
 
+def triton_release(version: str | None = None) -> tuple[int, ...]:
+    """(major, minor) of the installed Triton (or of ``version``); () if it does not read as
+    numbers (a nightly's name)."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    try:
+        return tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return ()
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_reason(version: str, any_release: bool) -> str | None:
     """:func:`gluon_unsupported`'s answer, worked out once a (version, opt-in): the ops ask
     on every call."""
-    try:
-        major_minor = tuple(int(p) for p in version.split(".")[:2])
-    except ValueError:
-        major_minor = ()
-    if major_minor in GLUON_TRITON or any_release:
+    if triton_release(version) in GLUON_TRITON or any_release:
         return None
     tested = ", ".join(f"{a}.{b}" for a, b in GLUON_TRITON)
     return (f"the Gluon kernels are written for Triton {tested}'s Gluon API (found Triton "

@@ -45,6 +45,8 @@ import tempfile
 import triton
 import triton.language as tl
 
+from dsv4lab.kernels.device import interpreting, triton_release
+
 try:        # Gluon (Triton 3.4+) for the warp-specialised kernels' mark
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -202,17 +204,19 @@ def install() -> bool:
 # others the hook still rewrites a marked kernel (tests/test_gluon_compile.py compiles one on
 # CI's Triton), but the launchers do not mark theirs (:func:`active`)
 VALIDATED_TRITON = ((3, 6),)
+_VALIDATED = triton_release() in VALIDATED_TRITON
 
 
 def active() -> bool:
-    """Whether the launchers should mark their kernels: the rewrite is in Triton's pipeline and
-    this Triton release is one of :data:`VALIDATED_TRITON`. (The policy is a speed-up, never a
-    change of results: an unmarked kernel computes the same bits.)"""
+    """Whether the launchers should mark their kernels: compiled kernels (not Triton's
+    interpreter), the rewrite in Triton's pipeline, and this Triton release one of
+    :data:`VALIDATED_TRITON`. (The policy is a speed-up, never a change of results: an
+    unmarked kernel computes the same bits.) Asked on every launch: the release is read once."""
+    if interpreting():
+        return False
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     hook = getattr(runtime, "add_stages_inspection_hook", None)
-    hooked = getattr(hook, "_dsv4lab_l2_hint", False)
-    release = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
-    return bool(hooked) and release in VALIDATED_TRITON
+    return _VALIDATED and bool(getattr(hook, "_dsv4lab_l2_hint", False))
 
 
 install()

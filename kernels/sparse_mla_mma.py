@@ -947,7 +947,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
             KQ_T=bool(cfg.kq_t and v_from_k and not (cfg.prefetch or cfg.pipe_gather or fp8)),
             SPLIT_QK=bool(cfg.split_qk and v_from_k and not (cfg.prefetch or cfg.kq_t)),
             PDL=split and bool(cfg.pdl) and pdl_ok(dev),
-            EVICT_KV=bool(cfg.evict_kv) and S_q == 1 and not interp and l2_hint.active(),
+            EVICT_KV=evict_kv_applies(cfg.evict_kv, S_q),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     if config is not None and config.kq_t and fp8 and not (interp or dev.type != "cuda"):
@@ -970,6 +970,14 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     if split:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=bool(config.pdl) and pdl_ok(dev))
     return out, lse
+
+
+def evict_kv_applies(evict_kv: bool, S_q: int) -> bool:
+    """Whether a launch asked for ``evict_kv`` marks its kernel (both launchers ask here): at
+    S_q = 1 only, since a verify step's positions share rows through the L2 (A/B printout at
+    ec05afa: B 128 / S_q 4 bf16 339.1 -> 348.2 us with it), and where
+    :func:`dsv4lab.kernels.l2_hint.active`."""
+    return bool(evict_kv) and S_q == 1 and l2_hint.active()
 
 
 def ws_launch_args(config: Config) -> dict:

@@ -96,13 +96,13 @@ each (40.0 us), the epilogue (normalise, store the fp32 partials) 3.8 us, and th
 program ends 2.6 us after the median; then the combine kernel (~5 us in a torch profiler
 reading). At B 128 / S_q 1 (no split, 64 tiles): 6.4 us, 1.25 us a tile, 3.1 us. (Rows at
 1b1e7ca, with bf16 partials and the swizzled exchange: B 64 / S_q 1 5.9 us, 1.24 us a tile,
-a 2.0 us epilogue, the last program 3.1 us after the median; B 128 / S_q 1 6.4, 1.24, 2.8.) Reaching
-60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needed that fixed cost roughly
-halved, or the tiles faster (it came from the L2 instead: ``EVICT_KV`` below). By arithmetic (not measured): each wgmma of a tile's scores
-(M 64, N 32, K 16) reads 3 KB of shared memory (Q's 2 KB, K's 1 KB) for 32K multiply-adds,
-24 clocks at 128 bytes a clock against the tensor cores' 16, so the scores wait on shared
-memory; 64-row units (4 KB for 64K) would balance them, but the seesaw's ring of three
-such units does not fit beside Q.
+a 2.0 us epilogue, the last program 3.1 us after the median; B 128 / S_q 1 6.4, 1.24, 2.8.)
+Reaching 60% of the roofline at B 64 / S_q 1 (56 us by the benchmark) needed that fixed cost
+roughly halved, or the tiles faster (it came from the L2 instead: ``EVICT_KV`` below). By
+arithmetic (not measured): each wgmma of a tile's scores (M 64, N 32, K 16) reads 3 KB of
+shared memory (Q's 2 KB, K's 1 KB) for 32K multiply-adds, 24 clocks at 128 bytes a clock
+against the tensor cores' 16, so the scores wait on shared memory; 64-row units (4 KB for
+64K) would balance them, but the seesaw's ring of three such units does not fit beside Q.
 
 The seesaw's knobs, and what they were worth (H200; "A/B" is a scripts/ab_sparse_mla.py
 printout, "rows" are `dsv4lab bench sparse_mla` rows). A Nsight Compute reading of the
@@ -915,12 +915,11 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
     themselves (see :func:`_epilogue`) instead of a combine kernel; ``part16``: the split
     partials in q's dtype instead of fp32; ``pdl``: the combine as a programmatic dependent
     launch (sm_90+; see kernels/sparse_mla_mma.py Config); ``p_swizzle``: the seesaw's P
-    exchange buffers swizzled (P_SWIZZLE); ``evict_kv``: at S_q = 1 the KV gathers under an
-    L2 evict-first policy (EVICT_KV, kernels/l2_hint.py). Not at S_q > 1, where a verify
-    step's positions share rows through the L2 (A/B at ec05afa: B 128 / S_q 4 bf16 339.1 ->
-    348.2 us with it)."""
+    exchange buffers swizzled (P_SWIZZLE); ``evict_kv``: the KV gathers under an L2
+    evict-first policy (EVICT_KV, kernels/l2_hint.py) where
+    :func:`dsv4lab.kernels.sparse_mla_mma.evict_kv_applies` (S_q = 1)."""
     from dsv4lab.kernels.device import pdl_ok
-    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits
+    from dsv4lab.kernels.sparse_mla_mma import LOG2E, combine_splits, evict_kv_applies
     fp8 = kv.dtype == torch.uint8
     need = smem_bytes(block_n, num_buf, seesaw, fp8, lazy)
     if (fp8 and block_n != 32) or need > SMEM_LIMIT:
@@ -958,7 +957,7 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, block_n=32
         HAS_SINK=sink is not None, SPLIT=split,
         SCAN_N=scan_n, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4, maxnreg=168,
         PDL=pdl, LAZY_SS=bool(lazy) and seesaw, P_SWIZZLE=bool(p_swizzle) and seesaw,
-        EVICT_KV=bool(evict_kv) and S_q == 1 and l2_hint.active())
+        EVICT_KV=evict_kv_applies(evict_kv, S_q))
     if split == 1:
         combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
     return out, lse
