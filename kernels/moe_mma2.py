@@ -160,6 +160,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from dsv4lab.kernels import l2_hint
 from dsv4lab.kernels.device import gluon_unsupported, pdl_ok
 from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
 
@@ -670,6 +671,79 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     return acc
 
 
+
+@gluon.jit
+def _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, d, n_tiles2, nseg2, stride_w2e,
+                stride_w2n, stride_s2e, stride_s2n, IS_NV: gl.constexpr, BN2: gl.constexpr,
+                SPLIT2: gl.constexpr, NSEG2: gl.constexpr, num_warps: gl.constexpr):
+    """RESIDENT: cp.async down tile d's whole K slice (weights and scales) into the program's
+    shared memory, one commit group, no wait (nothing for a -1 slot). The copy layouts are the
+    shared-memory ring's (:func:`_issue_mat`), so the copies are masked (the L2 hint's
+    rewrite applies) and each lane copies the weight bytes it later decodes."""
+    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
+    CPW: gl.constexpr = _copy_layout(BN2, num_warps)
+    CPS: gl.constexpr = gl.BlockedLayout([1, NSC], [32, 1], [num_warps, 1], [1, 0])
+    p = d // SPLIT2 // n_tiles2
+    e = gl.load(ids_ptr + p)
+    if e >= 0:
+        sp = d % SPLIT2
+        offs = (d // SPLIT2 % n_tiles2) * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, CPW))
+        w = (w2_ptr + e.to(gl.int64) * stride_w2e + offs.to(gl.int64) * stride_w2n
+             + sp * nseg2 * SEG_BYTES)
+        offs_s = gl.convert_layout(offs, gl.SliceLayout(1, CPS))
+        s = (s2_ptr + e.to(gl.int64) * stride_s2e + offs_s.to(gl.int64) * stride_s2n
+             + sp * nseg2 * NSC)
+        live = offs < n_tiles2 * BN2                   # all true: masked copies, so hinted
+        live_s = offs_s < n_tiles2 * BN2
+        for k in gl.static_range(NSEG2):
+            _issue_mat(w_res, s_res, k, w, s, live, live_s, k, True, NSC, CPW, CPS)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _resident_smax(s_res, NSEG: gl.constexpr, BN: gl.constexpr, NSC: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """RESIDENT (MXFP4): each row's largest scale byte over its K slice, from the staged
+    scales ([NSEG, BN, NSC] bytes, read in their copy layout), in the accumulator's row
+    layout: :func:`_row_smax`'s value without its global loads."""
+    L: gl.constexpr = gl.BlockedLayout([1, NSC], [32, 1], [num_warps, 1], [1, 0])
+    m = gl.zeros([BN], gl.int32, layout=gl.SliceLayout(1, L))
+    for k in gl.static_range(NSEG):
+        m = gl.maximum(m, gl.max(s_res.index(k).load(L).to(gl.int32), axis=1))
+    return gl.convert_layout(m, gl.SliceLayout(1, _mma_layout(num_warps)))
+
+
+@gluon.jit
+def _k_loop_resident(w_res, s_res, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr,
+                     BN: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """RESIDENT: :func:`_k_loop` for one matrix whose whole K slice is already in shared
+    memory (:func:`_stage_down`, waited for): every K-step decodes from there (:func:`_step`,
+    CVT8_ASM or FASTDEC's), its x fragments read from global memory (the L1) as REGS reads
+    them."""
+    W: gl.constexpr = num_warps
+    GS: gl.constexpr = 8 if IS_NV else 16
+    NS: gl.constexpr = 16 // GS
+    MMA: gl.constexpr = _mma_layout(W)
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    WL: gl.constexpr = _weight_layout(BN, W, NS, GS)
+    SL: gl.constexpr = gl.SliceLayout(3, WL)
+    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, SL))
+    CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
+    smax = gl.convert_layout(smax, RL)
+    xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
+    xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))[:, None]
+    cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
+    acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    for k in range(nseg):
+        xe = _to_b_operand(gl.load(xr[:, None] + (k * 128 + cx)[None, :], mask=xm, other=0.0),
+                           B_OP)
+        xo = _to_b_operand(gl.load(xr[:, None] + (k * 128 + 64 + cx)[None, :], mask=xm,
+                                   other=0.0), B_OP)
+        acc = _step(acc, xe, xo, w_res, s_res, k, smax, IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
+    return acc
+
+
 @gluon.jit
 def _seg_order(n):
     """Column n of an activation row -> its place in sigma's order (per 128-element segment,
@@ -972,10 +1046,13 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                IS_NV: gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr,
                STAGES: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
                ASM: gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr,
-               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr):
+               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr,
+               RESIDENT: gl.constexpr = False, w_res=0, s_res=0, NSEG2: gl.constexpr = 1):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
     ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
-    the last tile of its rows sums them over the pairs into out."""
+    the last tile of its rows sums them over the pairs into out. ``RESIDENT``: its weights
+    and scales (NSEG2 K-steps) were staged in shared memory (w_res, s_res) by
+    :func:`_stage_down`; nothing is loaded from them here but after the wait."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     sp = d % SPLIT2
@@ -983,7 +1060,26 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
     pn = d // SPLIT2 % n_tiles2
     e = gl.load(ids_ptr + p)
     offs_h = pn * BN2 + gl.arange(0, BN2, layout=ROWS)
-    if e >= 0:
+    if RESIDENT:
+        if e >= 0:
+            col = m == p // TOPK
+            _wait_count(ctr_ptr + 1 + p, n_tiles1)
+            _stamp(stamps_ptr, row, 2, num_warps)
+            async_copy.wait_group(0)
+            cta_barrier()                         # the staged scales were copied by other lanes
+            NSC2: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
+            if IS_NV:
+                smax = gl.zeros([BN2], gl.int32, layout=ROWS)
+            else:
+                smax = _resident_smax(s_res, NSEG2, BN2, NSC2, num_warps)
+            a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
+            acc = _k_loop_resident(w_res, s_res, smax, a_rows, col, nseg2, IS_NV, BN2, ASM,
+                                   num_warps)
+            _stamp(stamps_ptr, row, 3, num_warps)
+            wt = gl.load(topk_w_ptr + p).to(gl.float32)
+            y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
+            gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_h, m), y, mask=col[None, :])
+    elif e >= 0:
         t = p // TOPK
         col = m == t
         _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
@@ -1039,7 +1135,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True):
+                   EARLY: gl.constexpr = True, RESIDENT: gl.constexpr = False,
+                   NSEG2: gl.constexpr = 1, HINT_CP: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1065,7 +1162,15 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`."""
+    ``EVICT`` (REGS): see :func:`fused_moe`.
+    ``RESIDENT`` (REGS; as many gate/up as down tiles, pair by pair alike; grid: the gate/up
+    tiles): program ``tile`` first copies down tile ``tile``'s whole K slice (NSEG2 K-steps of
+    BN2 rows) into its shared memory (cp.async, no wait; ``HINT_CP``: under an L2 evict-first
+    policy, kernels/l2_hint.py), then runs gate/up tile ``tile`` and then that down tile (of
+    the same pair) from shared memory. The down bytes so stream while the gate/up tiles run,
+    instead of after them. A down tile waits only for its pair's gate/up tiles: with tickets in
+    start order that cannot deadlock as long as a pair's tiles fit on the GPU at once (the
+    launcher checks, :func:`resident_capacity`)."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -1086,7 +1191,30 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         _stamp(stamps_ptr, tile, 1, num_warps)
         _stamp(stamps_ptr, tile, 5, num_warps)
     m = gl.arange(0, BM, layout=COLS)
-    if tile < n_gu:
+    if RESIDENT:    # this program's down tile staged in shared memory, then its gate/up tile
+        if HINT_CP:
+            l2_hint.mark(num_warps)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        NSC2: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
+        w_res = gl.allocate_shared_memory(gl.uint8, [NSEG2, BN2, SEG_BYTES], PLAIN)
+        s_res = gl.allocate_shared_memory(gl.uint8, [NSEG2, BN2, NSC2], PLAIN)
+        _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, tile, n_tiles2, nseg2, stride_w2e,
+                    stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, SPLIT2, NSEG2, num_warps)
+        _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
+                      stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
+                      stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
+                      stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT)
+        if TIMELINE:
+            gl.store(stamps_ptr + (n_gu + tile) * 8, t0)
+            _stamp(stamps_ptr, n_gu + tile, 1, num_warps)
+            _stamp(stamps_ptr, n_gu + tile, 5, num_warps)
+        _down_tile(tile, n_gu + tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
+                   ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
+                   nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
+                   stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
+                   ACC_SCALE, REGS, EVICT, EARLY, True, w_res, s_res, NSEG2)
+    elif tile < n_gu:
         _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
@@ -1123,7 +1251,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True):
+              EVICT=False, EARLY=True, RESIDENT=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1146,6 +1274,10 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
+    ``RESIDENT`` (the fused launch with REGS only): each program stages a down tile's weights in
+    shared memory before its gate/up tile and runs that down tile after it (see
+    :func:`_decode_kernel`); needs as many gate/up as down tiles a pair, and a pair's tiles
+    resident on the GPU at once; None: where it can run (:func:`why_not_resident`).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1220,10 +1352,14 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)
+        why_not = why_not_resident(H, I, BN1, BN2, split1, split2, num_warps, REGS, is_nv, dev)
+        if RESIDENT and why_not:
+            raise ValueError(f"moe_mma2: RESIDENT needs {why_not}")
+        resident = why_not is None if RESIDENT is None else bool(RESIDENT)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), resident)
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1260,12 +1396,48 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     return out
 
 
+def resident_capacity(device, num_warps: int, staged_bytes: int) -> int:
+    """Programs of the fused decode with RESIDENT (REGS, ``staged_bytes`` of shared memory
+    each) the GPU surely holds at once: per SM, one per 8 warps' worth of the most registers a
+    thread can have (255, in 256s: every sm_80+ SM has 64 K registers), and no more than its
+    shared memory holds with 1 KB reserved a program."""
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024   # sm_86/89/120
+    per_sm = min(max(1, 8 // num_warps), smem // (staged_bytes + 1024))
+    return props.multi_processor_count * per_sm
+
+
+def _staged_bytes(I, BN2, split2, is_nv) -> int:
+    """RESIDENT: shared memory a program holds, a down tile's weights and scales."""
+    nseg2 = I // 128 // split2
+    return nseg2 * BN2 * (64 + (8 if is_nv else 4))
+
+
+def why_not_resident(H, I, BN1, BN2, split1, split2, num_warps, regs, is_nv, device) -> str | None:
+    """None if RESIDENT can run this fused launch, else what it needs (see :func:`fused_moe`)."""
+    per_pair = (I // BN1) * split1
+    if not regs:
+        return "REGS (the register ring leaves the shared memory to the staged down tile)"
+    if per_pair != (H // BN2) * split2:
+        return (f"as many gate/up as down tiles a pair: (I / BN1) * SPLIT1 = {per_pair}, "
+                f"(H / BN2) * SPLIT2 = {(H // BN2) * split2}")
+    staged = _staged_bytes(I, BN2, split2, is_nv)
+    if staged > 48 * 1024:
+        return f"a down tile's slice in 48 KB of shared memory (it is {staged} bytes)"
+    cap = resident_capacity(device, num_warps, staged)
+    if per_pair > cap:
+        return (f"a pair's {per_pair} tiles resident at once, and this GPU surely holds {cap} "
+                f"programs of {num_warps} warps with {staged} bytes staged")
+    return None
+
+
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True):
+                  evict=False, early=True, resident=False):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
-    the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
+    the splits already picked); ``pdl``: as the copy's programmatic dependent launch;
+    ``resident``: RESIDENT's launch (one program a gate/up tile)."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
     P = ids.numel()
@@ -1276,10 +1448,11 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
+    n_gu = P * (I // BN1) * split1
+    grid = (n_gu if resident else n_gu + P * (H // BN2) * split2,)
     stamps = counters
     if TIMELINE:
-        stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
+        stamps = torch.zeros(n_gu + P * (H // BN2) * split2, 8, dtype=torch.int64, device=dev)
         _LAST_TIMELINE[:] = [stamps, P * (I // BN1) * split1]
     _decode_kernel[grid](
         xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters,
@@ -1292,7 +1465,8 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
-        launch_pdl=pdl,
+        RESIDENT=resident, NSEG2=I // 128 // split2 if resident else 1,
+        HINT_CP=resident and evict and l2_hint.active(), launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

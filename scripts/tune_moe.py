@@ -301,6 +301,18 @@ CANDIDATES = [
     # entry 44.0 / 46.9 us; PAIRED without the prefetch 44.2 / 48.3, with it 48.3 / 49.4, with
     # an evict-last prefetch 49.3 / 50.1 (the prefetched lines evict the L2's dirty ones);
     # split 4 / 2 58.7 / 69.3, BN2 64 unsplit 58.1 / 59.3, without EARLY 48.4 / 50.8
+    # round 18 (session 16): RESIDENT, each program stages its down tile's whole K slice in
+    # shared memory (cp.async, L2 evict-first) before its gate/up tile, so the down bytes stream
+    # while the gate/up tiles run; then the down tile from shared memory. Against the entry
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           RESIDENT=True),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           RESIDENT=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False,
+           RESIDENT=True),
+    _fused(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, num_warps=4, REGS=4, EVICT=True, PREFETCH=False,
+           RESIDENT=True),
 ]
 
 
