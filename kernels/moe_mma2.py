@@ -714,12 +714,36 @@ def _resident_smax(s_res, NSEG: gl.constexpr, BN: gl.constexpr, NSC: gl.constexp
 
 
 @gluon.jit
-def _k_loop_resident(w_res, s_res, smax, x_rows, xmask, nseg, IS_NV: gl.constexpr,
-                     BN: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+def _x_row_step(xr, k, nseg, cx):
+    """RESIDENT: the token's x (act) row at K-step k, both 64-element halves as [1, 64] tiles
+    (zeros past the slice: k >= nseg)."""
+    live = k < nseg
+    lo = gl.load(xr + (k * 128 + cx)[None, :], mask=live, other=0.0)
+    hi = gl.load(xr + (k * 128 + 64 + cx)[None, :], mask=live, other=0.0)
+    return lo, hi
+
+
+@gluon.jit
+def _resident_step(acc, xlo, xhi, w_res, s_res, k, smax, IS_NV: gl.constexpr, BN: gl.constexpr,
+                   NS: gl.constexpr, GS: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
+                   A_OP: gl.constexpr, B_OP: gl.constexpr, CPX: gl.constexpr, ASM: gl.constexpr):
+    """RESIDENT: acc plus K-step k from shared memory, the x row broadcast to every column of
+    the B operand (no instructions: every column then computes the token's dot)."""
+    n = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, CPX)), 1)
+    xe, n = gl.broadcast(xlo, n)
+    xo, n = gl.broadcast(xhi, n)
+    return _step(acc, _to_b_operand(xe, B_OP), _to_b_operand(xo, B_OP), w_res, s_res, k, smax,
+                 IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
+
+
+@gluon.jit
+def _k_loop_resident(w_res, s_res, smax, xr, nseg, IS_NV: gl.constexpr, BN: gl.constexpr,
+                     ASM: gl.constexpr, num_warps: gl.constexpr):
     """RESIDENT: :func:`_k_loop` for one matrix whose whole K slice is already in shared
-    memory (:func:`_stage_down`, waited for): every K-step decodes from there (:func:`_step`,
-    CVT8_ASM or FASTDEC's), its x fragments read from global memory (the L1) as REGS reads
-    them."""
+    memory (:func:`_stage_down`, waited for), and one token whose x row starts at ``xr``: each
+    K-step decodes from there (:func:`_step`), and the x rows come from global memory 4 K-steps
+    ahead through a ring of registers (their latency, an L2 round trip a step, would otherwise
+    set the loop's pace). Every column of the result holds the token's dot."""
     W: gl.constexpr = num_warps
     GS: gl.constexpr = 8 if IS_NV else 16
     NS: gl.constexpr = 16 // GS
@@ -731,16 +755,26 @@ def _k_loop_resident(w_res, s_res, smax, x_rows, xmask, nseg, IS_NV: gl.constexp
     RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, SL))
     CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
     smax = gl.convert_layout(smax, RL)
-    xr = gl.convert_layout(x_rows, gl.SliceLayout(1, CPX))
-    xm = gl.convert_layout(xmask, gl.SliceLayout(1, CPX))[:, None]
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
+    last = nseg - 1
+    a0, a1 = _x_row_step(xr, 0, nseg, cx)
+    b0, b1 = _x_row_step(xr, 1, nseg, cx)
+    c0, c1 = _x_row_step(xr, 2, nseg, cx)
+    d0, d1 = _x_row_step(xr, 3, nseg, cx)
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
-    for k in range(nseg):
-        xe = _to_b_operand(gl.load(xr[:, None] + (k * 128 + cx)[None, :], mask=xm, other=0.0),
-                           B_OP)
-        xo = _to_b_operand(gl.load(xr[:, None] + (k * 128 + 64 + cx)[None, :], mask=xm,
-                                   other=0.0), B_OP)
-        acc = _step(acc, xe, xo, w_res, s_res, k, smax, IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
+    for k in range(0, nseg, 4):
+        acc = _resident_step(acc, a0, a1, w_res, s_res, k, smax, IS_NV, BN, NS, GS, WL, SL,
+                             A_OP, B_OP, CPX, ASM)
+        a0, a1 = _x_row_step(xr, k + 4, nseg, cx)
+        acc = _resident_step(acc, b0, b1, w_res, s_res, gl.minimum(k + 1, last), smax, IS_NV, BN,
+                             NS, GS, WL, SL, A_OP, B_OP, CPX, ASM)
+        b0, b1 = _x_row_step(xr, k + 5, nseg, cx)
+        acc = _resident_step(acc, c0, c1, w_res, s_res, gl.minimum(k + 2, last), smax, IS_NV, BN,
+                             NS, GS, WL, SL, A_OP, B_OP, CPX, ASM)
+        c0, c1 = _x_row_step(xr, k + 6, nseg, cx)
+        acc = _resident_step(acc, d0, d1, w_res, s_res, gl.minimum(k + 3, last), smax, IS_NV, BN,
+                             NS, GS, WL, SL, A_OP, B_OP, CPX, ASM)
+        d0, d1 = _x_row_step(xr, k + 7, nseg, cx)
     return acc
 
 
@@ -965,10 +999,15 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr):
+                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
+                  STAGE: gl.constexpr = False, w_res=0, s_res=0, w2_ptr=0, s2_ptr=0, nseg2=0,
+                  stride_w2e=0, stride_w2n=0, stride_s2e=0, stride_s2n=0,
+                  BN2: gl.constexpr = 16, SPLIT2: gl.constexpr = 1, NSEG2: gl.constexpr = 1):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
-    slice, the SwiGLU into act[p], and pair p's count released."""
+    slice, the SwiGLU into act[p], and pair p's count released. ``STAGE`` (RESIDENT, REGS):
+    down tile ``tile`` staged into w_res / s_res (:func:`_stage_down`) once this tile's ring
+    loads are out, so that they are not queued behind it."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     g = tile // SPLIT1                      # the gate/up row tile (p, pn)
@@ -990,6 +1029,10 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                                    IS_NV, 2 * BN1, num_warps)
             pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
                                                           num_warps, EVICT)
+            if STAGE:
+                _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, tile, n_tiles2, nseg2,
+                            stride_w2e, stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, SPLIT2,
+                            NSEG2, num_warps)
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
                                nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
@@ -1072,9 +1115,8 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                 smax = gl.zeros([BN2], gl.int32, layout=ROWS)
             else:
                 smax = _resident_smax(s_res, NSEG2, BN2, NSC2, num_warps)
-            a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
-            acc = _k_loop_resident(w_res, s_res, smax, a_rows, col, nseg2, IS_NV, BN2, ASM,
-                                   num_warps)
+            a_row = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128
+            acc = _k_loop_resident(w_res, s_res, smax, a_row, nseg2, IS_NV, BN2, ASM, num_warps)
             _stamp(stamps_ptr, row, 3, num_warps)
             wt = gl.load(topk_w_ptr + p).to(gl.float32)
             y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
@@ -1136,7 +1178,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
                    EARLY: gl.constexpr = True, RESIDENT: gl.constexpr = False,
-                   NSEG2: gl.constexpr = 1, HINT_CP: gl.constexpr = False):
+                   NSEG2: gl.constexpr = 1, HINT_CP: gl.constexpr = False,
+                   STAGE_LATE: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1168,7 +1211,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     BN2 rows) into its shared memory (cp.async, no wait; ``HINT_CP``: under an L2 evict-first
     policy, kernels/l2_hint.py), then runs gate/up tile ``tile`` and then that down tile (of
     the same pair) from shared memory. The down bytes so stream while the gate/up tiles run,
-    instead of after them. A down tile waits only for its pair's gate/up tiles: with tickets in
+    instead of after them (``STAGE_LATE``: the staging goes out after the gate/up tile's first
+    ring loads, not before its MXFP4 row maxima). A down tile waits only for its pair's gate/up tiles: with tickets in
     start order that cannot deadlock as long as a pair's tiles fit on the GPU at once (the
     launcher checks, :func:`resident_capacity`)."""
     MMA: gl.constexpr = _mma_layout(num_warps)
@@ -1198,13 +1242,16 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         NSC2: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
         w_res = gl.allocate_shared_memory(gl.uint8, [NSEG2, BN2, SEG_BYTES], PLAIN)
         s_res = gl.allocate_shared_memory(gl.uint8, [NSEG2, BN2, NSC2], PLAIN)
-        _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, tile, n_tiles2, nseg2, stride_w2e,
-                    stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, SPLIT2, NSEG2, num_warps)
+        if not STAGE_LATE:
+            _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, tile, n_tiles2, nseg2, stride_w2e,
+                        stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, SPLIT2, NSEG2, num_warps)
         _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
                       stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT)
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT, STAGE_LATE, w_res, s_res, w2_ptr,
+                      s2_ptr, nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, BN2, SPLIT2,
+                      NSEG2)
         if TIMELINE:
             gl.store(stamps_ptr + (n_gu + tile) * 8, t0)
             _stamp(stamps_ptr, n_gu + tile, 1, num_warps)
@@ -1251,7 +1298,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, RESIDENT=False):
+              EVICT=False, EARLY=True, RESIDENT=False, STAGE_LATE=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1278,6 +1325,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     shared memory before its gate/up tile and runs that down tile after it (see
     :func:`_decode_kernel`); needs as many gate/up as down tiles a pair, and a pair's tiles
     resident on the GPU at once; None: where it can run (:func:`why_not_resident`).
+    ``STAGE_LATE`` (RESIDENT only): the down tile's staging goes out after the gate/up tile's
+    first ring loads (otherwise before its MXFP4 row maxima).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1359,7 +1408,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), resident)
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), resident,
+                             bool(STAGE_LATE))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1434,7 +1484,7 @@ def why_not_resident(H, I, BN1, BN2, split1, split2, num_warps, regs, is_nv, dev
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, resident=False):
+                  evict=False, early=True, resident=False, stage_late=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch;
     ``resident``: RESIDENT's launch (one program a gate/up tile)."""
@@ -1466,7 +1516,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
         RESIDENT=resident, NSEG2=I // 128 // split2 if resident else 1,
-        HINT_CP=resident and evict and l2_hint.active(), launch_pdl=pdl,
+        HINT_CP=resident and evict and l2_hint.active(), STAGE_LATE=stage_late, launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

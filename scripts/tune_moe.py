@@ -302,16 +302,22 @@ CANDIDATES = [
     # an evict-last prefetch 49.3 / 50.1 (the prefetched lines evict the L2's dirty ones);
     # split 4 / 2 58.7 / 69.3, BN2 64 unsplit 58.1 / 59.3, without EARLY 48.4 / 50.8
     # round 18 (session 16): RESIDENT, each program stages its down tile's whole K slice in
-    # shared memory (cp.async, L2 evict-first) before its gate/up tile, so the down bytes stream
-    # while the gate/up tiles run; then the down tile from shared memory. Against the entry
+    # shared memory (cp.async, L2 evict-first), then runs its gate/up tile and that down tile
+    # from shared memory, so the down bytes stream while the gate/up tiles run. Printout at
+    # aa8eb76 (staged before the gate/up tile, x read at each down K-step), MXFP4 / NVFP4: the
+    # entry 44.0 / 47.0 us; RESIDENT 57.4 / 64.3, BN2 64 split 2 61.8 / 71.0, REGS 2 56.4 /
+    # 63.3, BN1 64 4 warps 61.6 / 61.7. Its timeline (profile_moe --timeline): the gate/up
+    # tiles' setup 11.3 us (the row maxima's scale loads queued behind the staging), the down
+    # loop 6.9 us from shared memory (an L2 round trip for x a step). Against the entry:
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    # staged after the gate/up ring's first loads, x 4 K-steps ahead in registers
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
            RESIDENT=True),
-    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           RESIDENT=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           RESIDENT=True, STAGE_LATE=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           RESIDENT=True, MAXNREG=168),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False,
-           RESIDENT=True),
-    _fused(BN1=64, BN2=64, SPLIT1=4, SPLIT2=2, num_warps=4, REGS=4, EVICT=True, PREFETCH=False,
            RESIDENT=True),
 ]
 

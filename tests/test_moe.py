@@ -1140,18 +1140,18 @@ def test_gpu_mma2_resident_matches_reference(T, shape, regs, E, k, fmt, limit, r
     x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
 
     def run(**change):
+        opts = dict(launch, FUSED=True, REGS=regs, EVICT=None, PREFETCH=False)
         return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, FUSED=True, REGS=None, EVICT=None,
-                                  PREFETCH=False, **kw, **dict(launch, **change))
+                                  fmt=fmt, swiglu_limit=limit, **kw, **dict(opts, **change))
     if torch.cuda.get_device_capability() < (8, 9):
         with pytest.raises(ValueError, match="RESIDENT needs REGS"):
             run(RESIDENT=True)
         return
-    out = run(RESIDENT=True, REGS=regs)
+    out = run(RESIDENT=True)
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(out, run(RESIDENT=False, REGS=regs))
-    assert torch.equal(out, run(RESIDENT=True, REGS=regs, EVICT=False))
+    assert torch.equal(out, run(RESIDENT=False))
+    assert torch.equal(out, run(RESIDENT=True, EVICT=False))
     with pytest.raises(ValueError, match="RESIDENT needs as many gate/up as down tiles"):
         run(RESIDENT=True, SPLIT1=2 * launch["SPLIT1"])
 
