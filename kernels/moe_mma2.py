@@ -149,6 +149,19 @@ the L2 before the gate/up tile or not (scripts/tune_moe.py round 17, printout at
 evict-last prefetch, against the entry's 44.0 / 46.9. The prefetched lines take the L2's place
 as ordinary lines and so push its dirty ones out (each a write to HBM), which the evict-first
 loads avoid.
+Nor did ``RESIDENT`` (session 16, code removed): each of 768 programs copied its down tile's
+whole K slice (32 rows x 1 KB and the scales, 35 KB) into shared memory by cp.async under the
+L2 evict-first policy (kernels/l2_hint.py; the copies unrolled, the only form ptxas 12.8 built
+with valid descriptors), then ran its gate/up tile and that down tile from shared memory, so
+that the down bytes streamed while the gate/up tiles ran (6 programs an SM, all 768 resident).
+scripts/tune_moe.py round 18, printouts at aa8eb76 and 3f9e073, MXFP4 / NVFP4: the entry
+43.8-44.0 / 46.7-47.0 us; RESIDENT 57.4 / 64.3 staged first, 57.7 / 68.0 staged after the
+gate/up ring's first loads with x 4 K-steps ahead, 59.1 / 63.9 at 168 registers. Its timeline
+(profile_moe --timeline, no flush): the gate/up tiles end at 37 us against 27 (their loads
+queue behind the staging: the 75 MB still arrive at ~2 TB/s, more bytes in flight do not raise
+it), and the down loop from shared memory takes 7.7 us a tile, as from the ring (7.9): it is
+bound by its ~210 instructions a K-step and warp (12 warps an SM), not by its loads, so the
+down phase cannot shrink below ~6 us once it runs after the gate/up phase.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -160,7 +173,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from dsv4lab.kernels import l2_hint
 from dsv4lab.kernels.device import gluon_unsupported, pdl_ok
 from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
 
@@ -671,113 +683,6 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     return acc
 
 
-
-@gluon.jit
-def _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, d, n_tiles2, nseg2, stride_w2e,
-                stride_w2n, stride_s2e, stride_s2n, IS_NV: gl.constexpr, BN2: gl.constexpr,
-                SPLIT2: gl.constexpr, NSEG2: gl.constexpr, num_warps: gl.constexpr):
-    """RESIDENT: cp.async down tile d's whole K slice (weights and scales) into the program's
-    shared memory, one commit group, no wait (nothing for a -1 slot). The copy layouts are the
-    shared-memory ring's (:func:`_issue_mat`), so the copies are masked (the L2 hint's
-    rewrite applies) and each lane copies the weight bytes it later decodes."""
-    NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
-    CPW: gl.constexpr = _copy_layout(BN2, num_warps)
-    CPS: gl.constexpr = gl.BlockedLayout([1, NSC], [32, 1], [num_warps, 1], [1, 0])
-    p = d // SPLIT2 // n_tiles2
-    e = gl.load(ids_ptr + p)
-    if e >= 0:
-        sp = d % SPLIT2
-        offs = (d // SPLIT2 % n_tiles2) * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, CPW))
-        w = (w2_ptr + e.to(gl.int64) * stride_w2e + offs.to(gl.int64) * stride_w2n
-             + sp * nseg2 * SEG_BYTES)
-        offs_s = gl.convert_layout(offs, gl.SliceLayout(1, CPS))
-        s = (s2_ptr + e.to(gl.int64) * stride_s2e + offs_s.to(gl.int64) * stride_s2n
-             + sp * nseg2 * NSC)
-        live = offs < n_tiles2 * BN2                   # all true: masked copies, so hinted
-        live_s = offs_s < n_tiles2 * BN2
-        for k in gl.static_range(NSEG2):
-            _issue_mat(w_res, s_res, k, w, s, live, live_s, k, True, NSC, CPW, CPS)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _resident_smax(s_res, NSEG: gl.constexpr, BN: gl.constexpr, NSC: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """RESIDENT (MXFP4): each row's largest scale byte over its K slice, from the staged
-    scales ([NSEG, BN, NSC] bytes, read in their copy layout), in the accumulator's row
-    layout: :func:`_row_smax`'s value without its global loads."""
-    L: gl.constexpr = gl.BlockedLayout([1, NSC], [32, 1], [num_warps, 1], [1, 0])
-    m = gl.zeros([BN], gl.int32, layout=gl.SliceLayout(1, L))
-    for k in gl.static_range(NSEG):
-        m = gl.maximum(m, gl.max(s_res.index(k).load(L).to(gl.int32), axis=1))
-    return gl.convert_layout(m, gl.SliceLayout(1, _mma_layout(num_warps)))
-
-
-@gluon.jit
-def _x_row_step(xr, k, nseg, cx):
-    """RESIDENT: the token's x (act) row at K-step k, both 64-element halves as [1, 64] tiles
-    (zeros past the slice: k >= nseg)."""
-    live = k < nseg
-    lo = gl.load(xr + (k * 128 + cx)[None, :], mask=live, other=0.0)
-    hi = gl.load(xr + (k * 128 + 64 + cx)[None, :], mask=live, other=0.0)
-    return lo, hi
-
-
-@gluon.jit
-def _resident_step(acc, xlo, xhi, w_res, s_res, k, smax, IS_NV: gl.constexpr, BN: gl.constexpr,
-                   NS: gl.constexpr, GS: gl.constexpr, WL: gl.constexpr, SL: gl.constexpr,
-                   A_OP: gl.constexpr, B_OP: gl.constexpr, CPX: gl.constexpr, ASM: gl.constexpr):
-    """RESIDENT: acc plus K-step k from shared memory, the x row broadcast to every column of
-    the B operand (no instructions: every column then computes the token's dot)."""
-    n = gl.expand_dims(gl.arange(0, BM, layout=gl.SliceLayout(1, CPX)), 1)
-    xe, n = gl.broadcast(xlo, n)
-    xo, n = gl.broadcast(xhi, n)
-    return _step(acc, _to_b_operand(xe, B_OP), _to_b_operand(xo, B_OP), w_res, s_res, k, smax,
-                 IS_NV, BN, NS, GS, WL, SL, A_OP, ASM)
-
-
-@gluon.jit
-def _k_loop_resident(w_res, s_res, smax, xr, nseg, IS_NV: gl.constexpr, BN: gl.constexpr,
-                     ASM: gl.constexpr, num_warps: gl.constexpr):
-    """RESIDENT: :func:`_k_loop` for one matrix whose whole K slice is already in shared
-    memory (:func:`_stage_down`, waited for), and one token whose x row starts at ``xr``: each
-    K-step decodes from there (:func:`_step`), and the x rows come from global memory 4 K-steps
-    ahead through a ring of registers (their latency, an L2 round trip a step, would otherwise
-    set the loop's pace). Every column of the result holds the token's dot."""
-    W: gl.constexpr = num_warps
-    GS: gl.constexpr = 8 if IS_NV else 16
-    NS: gl.constexpr = 16 // GS
-    MMA: gl.constexpr = _mma_layout(W)
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    WL: gl.constexpr = _weight_layout(BN, W, NS, GS)
-    SL: gl.constexpr = gl.SliceLayout(3, WL)
-    RL: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, SL))
-    CPX: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, W], [1, 0])
-    smax = gl.convert_layout(smax, RL)
-    cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
-    last = nseg - 1
-    a0, a1 = _x_row_step(xr, 0, nseg, cx)
-    b0, b1 = _x_row_step(xr, 1, nseg, cx)
-    c0, c1 = _x_row_step(xr, 2, nseg, cx)
-    d0, d1 = _x_row_step(xr, 3, nseg, cx)
-    acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
-    for k in range(0, nseg, 4):
-        acc = _resident_step(acc, a0, a1, w_res, s_res, k, smax, IS_NV, BN, NS, GS, WL, SL,
-                             A_OP, B_OP, CPX, ASM)
-        a0, a1 = _x_row_step(xr, k + 4, nseg, cx)
-        acc = _resident_step(acc, b0, b1, w_res, s_res, gl.minimum(k + 1, last), smax, IS_NV, BN,
-                             NS, GS, WL, SL, A_OP, B_OP, CPX, ASM)
-        b0, b1 = _x_row_step(xr, k + 5, nseg, cx)
-        acc = _resident_step(acc, c0, c1, w_res, s_res, gl.minimum(k + 2, last), smax, IS_NV, BN,
-                             NS, GS, WL, SL, A_OP, B_OP, CPX, ASM)
-        c0, c1 = _x_row_step(xr, k + 6, nseg, cx)
-        acc = _resident_step(acc, d0, d1, w_res, s_res, gl.minimum(k + 3, last), smax, IS_NV, BN,
-                             NS, GS, WL, SL, A_OP, B_OP, CPX, ASM)
-        d0, d1 = _x_row_step(xr, k + 7, nseg, cx)
-    return acc
-
-
 @gluon.jit
 def _seg_order(n):
     """Column n of an activation row -> its place in sigma's order (per 128-element segment,
@@ -999,15 +904,10 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
-                  STAGE: gl.constexpr = False, w_res=0, s_res=0, w2_ptr=0, s2_ptr=0, nseg2=0,
-                  stride_w2e=0, stride_w2n=0, stride_s2e=0, stride_s2n=0,
-                  BN2: gl.constexpr = 16, SPLIT2: gl.constexpr = 1, NSEG2: gl.constexpr = 1):
+                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
-    slice, the SwiGLU into act[p], and pair p's count released. ``STAGE`` (RESIDENT, REGS):
-    down tile ``tile`` staged into w_res / s_res (:func:`_stage_down`) once this tile's ring
-    loads are out, so that they are not queued behind it."""
+    slice, the SwiGLU into act[p], and pair p's count released."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     g = tile // SPLIT1                      # the gate/up row tile (p, pn)
@@ -1029,10 +929,6 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                                    IS_NV, 2 * BN1, num_warps)
             pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
                                                           num_warps, EVICT)
-            if STAGE:
-                _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, tile, n_tiles2, nseg2,
-                            stride_w2e, stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, SPLIT2,
-                            NSEG2, num_warps)
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
                                nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
@@ -1089,13 +985,10 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                IS_NV: gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr,
                STAGES: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
                ASM: gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr,
-               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr,
-               RESIDENT: gl.constexpr = False, w_res=0, s_res=0, NSEG2: gl.constexpr = 1):
+               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
     ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
-    the last tile of its rows sums them over the pairs into out. ``RESIDENT``: its weights
-    and scales (NSEG2 K-steps) were staged in shared memory (w_res, s_res) by
-    :func:`_stage_down`; nothing is loaded from them here but after the wait."""
+    the last tile of its rows sums them over the pairs into out."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     sp = d % SPLIT2
@@ -1103,25 +996,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
     pn = d // SPLIT2 % n_tiles2
     e = gl.load(ids_ptr + p)
     offs_h = pn * BN2 + gl.arange(0, BN2, layout=ROWS)
-    if RESIDENT:
-        if e >= 0:
-            col = m == p // TOPK
-            _wait_count(ctr_ptr + 1 + p, n_tiles1)
-            _stamp(stamps_ptr, row, 2, num_warps)
-            async_copy.wait_group(0)
-            cta_barrier()                         # the staged scales were copied by other lanes
-            NSC2: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
-            if IS_NV:
-                smax = gl.zeros([BN2], gl.int32, layout=ROWS)
-            else:
-                smax = _resident_smax(s_res, NSEG2, BN2, NSC2, num_warps)
-            a_row = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128
-            acc = _k_loop_resident(w_res, s_res, smax, a_row, nseg2, IS_NV, BN2, ASM, num_warps)
-            _stamp(stamps_ptr, row, 3, num_warps)
-            wt = gl.load(topk_w_ptr + p).to(gl.float32)
-            y = _undo_scales(acc, smax, g2_ptr, e, IS_NV) * wt
-            gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_h, m), y, mask=col[None, :])
-    elif e >= 0:
+    if e >= 0:
         t = p // TOPK
         col = m == t
         _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
@@ -1177,9 +1052,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, RESIDENT: gl.constexpr = False,
-                   NSEG2: gl.constexpr = 1, HINT_CP: gl.constexpr = False,
-                   STAGE_LATE: gl.constexpr = False):
+                   EARLY: gl.constexpr = True):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1205,16 +1078,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`.
-    ``RESIDENT`` (REGS; as many gate/up as down tiles, pair by pair alike; grid: the gate/up
-    tiles): program ``tile`` first copies down tile ``tile``'s whole K slice (NSEG2 K-steps of
-    BN2 rows) into its shared memory (cp.async, no wait; ``HINT_CP``: under an L2 evict-first
-    policy, kernels/l2_hint.py), then runs gate/up tile ``tile`` and then that down tile (of
-    the same pair) from shared memory. The down bytes so stream while the gate/up tiles run,
-    instead of after them (``STAGE_LATE``: the staging goes out after the gate/up tile's first
-    ring loads, not before its MXFP4 row maxima). A down tile waits only for its pair's gate/up tiles: with tickets in
-    start order that cannot deadlock as long as a pair's tiles fit on the GPU at once (the
-    launcher checks, :func:`resident_capacity`)."""
+    ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -1235,33 +1099,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
         _stamp(stamps_ptr, tile, 1, num_warps)
         _stamp(stamps_ptr, tile, 5, num_warps)
     m = gl.arange(0, BM, layout=COLS)
-    if RESIDENT:    # this program's down tile staged in shared memory, then its gate/up tile
-        if HINT_CP:
-            l2_hint.mark(num_warps)
-        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        NSC2: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
-        w_res = gl.allocate_shared_memory(gl.uint8, [NSEG2, BN2, SEG_BYTES], PLAIN)
-        s_res = gl.allocate_shared_memory(gl.uint8, [NSEG2, BN2, NSC2], PLAIN)
-        if not STAGE_LATE:
-            _stage_down(w_res, s_res, w2_ptr, s2_ptr, ids_ptr, tile, n_tiles2, nseg2, stride_w2e,
-                        stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2, SPLIT2, NSEG2, num_warps)
-        _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
-                      stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
-                      stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
-                      stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT, STAGE_LATE, w_res, s_res, w2_ptr,
-                      s2_ptr, nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, BN2, SPLIT2,
-                      NSEG2)
-        if TIMELINE:
-            gl.store(stamps_ptr + (n_gu + tile) * 8, t0)
-            _stamp(stamps_ptr, n_gu + tile, 1, num_warps)
-            _stamp(stamps_ptr, n_gu + tile, 5, num_warps)
-        _down_tile(tile, n_gu + tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
-                   ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
-                   nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
-                   stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
-                   ACC_SCALE, REGS, EVICT, EARLY, True, w_res, s_res, NSEG2)
-    elif tile < n_gu:
+    if tile < n_gu:
         _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
@@ -1298,7 +1136,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, RESIDENT=False, STAGE_LATE=True):
+              EVICT=False, EARLY=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1321,12 +1159,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
-    ``RESIDENT`` (the fused launch with REGS only): each program stages a down tile's weights in
-    shared memory before its gate/up tile and runs that down tile after it (see
-    :func:`_decode_kernel`); needs as many gate/up as down tiles a pair, and a pair's tiles
-    resident on the GPU at once; None: where it can run (:func:`why_not_resident`).
-    ``STAGE_LATE`` (RESIDENT only): the down tile's staging goes out after the gate/up tile's
-    first ring loads (otherwise before its MXFP4 row maxima).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1401,15 +1233,10 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)
-        why_not = why_not_resident(H, I, BN1, BN2, split1, split2, num_warps, REGS, is_nv, dev)
-        if RESIDENT and why_not:
-            raise ValueError(f"moe_mma2: RESIDENT needs {why_not}")
-        resident = why_not is None if RESIDENT is None else bool(RESIDENT)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), resident,
-                             bool(STAGE_LATE))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1446,48 +1273,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     return out
 
 
-def resident_capacity(device, num_warps: int, staged_bytes: int) -> int:
-    """Programs of the fused decode with RESIDENT (REGS, ``staged_bytes`` of shared memory
-    each) the GPU surely holds at once: per SM, one per 8 warps' worth of the most registers a
-    thread can have (255, in 256s: every sm_80+ SM has 64 K registers), and no more than its
-    shared memory holds with 1 KB reserved a program."""
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_multiprocessor", 0) or 100 * 1024   # sm_86/89/120
-    per_sm = min(max(1, 8 // num_warps), smem // (staged_bytes + 1024))
-    return props.multi_processor_count * per_sm
-
-
-def _staged_bytes(I, BN2, split2, is_nv) -> int:
-    """RESIDENT: shared memory a program holds, a down tile's weights and scales."""
-    nseg2 = I // 128 // split2
-    return nseg2 * BN2 * (64 + (8 if is_nv else 4))
-
-
-def why_not_resident(H, I, BN1, BN2, split1, split2, num_warps, regs, is_nv, device) -> str | None:
-    """None if RESIDENT can run this fused launch, else what it needs (see :func:`fused_moe`)."""
-    per_pair = (I // BN1) * split1
-    if not regs:
-        return "REGS (the register ring leaves the shared memory to the staged down tile)"
-    if per_pair != (H // BN2) * split2:
-        return (f"as many gate/up as down tiles a pair: (I / BN1) * SPLIT1 = {per_pair}, "
-                f"(H / BN2) * SPLIT2 = {(H // BN2) * split2}")
-    staged = _staged_bytes(I, BN2, split2, is_nv)
-    if staged > 48 * 1024:
-        return f"a down tile's slice in 48 KB of shared memory (it is {staged} bytes)"
-    cap = resident_capacity(device, num_warps, staged)
-    if per_pair > cap:
-        return (f"a pair's {per_pair} tiles resident at once, and this GPU surely holds {cap} "
-                f"programs of {num_warps} warps with {staged} bytes staged")
-    return None
-
-
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, resident=False, stage_late=True):
+                  evict=False, early=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
-    the splits already picked); ``pdl``: as the copy's programmatic dependent launch;
-    ``resident``: RESIDENT's launch (one program a gate/up tile)."""
+    the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
     P = ids.numel()
@@ -1498,11 +1289,10 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
     out = torch.empty(T, H, dtype=out_dtype, device=dev)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    n_gu = P * (I // BN1) * split1
-    grid = (n_gu if resident else n_gu + P * (H // BN2) * split2,)
+    grid = (P * (I // BN1) * split1 + P * (H // BN2) * split2,)
     stamps = counters
     if TIMELINE:
-        stamps = torch.zeros(n_gu + P * (H // BN2) * split2, 8, dtype=torch.int64, device=dev)
+        stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
         _LAST_TIMELINE[:] = [stamps, P * (I // BN1) * split1]
     _decode_kernel[grid](
         xp, w13, w13_scale, g13, w2, w2_scale, g2, ids, tw, act, part, ypair, out, counters,
@@ -1515,8 +1305,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
-        RESIDENT=resident, NSEG2=I // 128 // split2 if resident else 1,
-        HINT_CP=resident and evict and l2_hint.active(), STAGE_LATE=stage_late, launch_pdl=pdl,
+        launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

@@ -301,24 +301,15 @@ CANDIDATES = [
     # entry 44.0 / 46.9 us; PAIRED without the prefetch 44.2 / 48.3, with it 48.3 / 49.4, with
     # an evict-last prefetch 49.3 / 50.1 (the prefetched lines evict the L2's dirty ones);
     # split 4 / 2 58.7 / 69.3, BN2 64 unsplit 58.1 / 59.3, without EARLY 48.4 / 50.8
-    # round 18 (session 16): RESIDENT, each program stages its down tile's whole K slice in
-    # shared memory (cp.async, L2 evict-first), then runs its gate/up tile and that down tile
-    # from shared memory, so the down bytes stream while the gate/up tiles run. Printout at
-    # aa8eb76 (staged before the gate/up tile, x read at each down K-step), MXFP4 / NVFP4: the
-    # entry 44.0 / 47.0 us; RESIDENT 57.4 / 64.3, BN2 64 split 2 61.8 / 71.0, REGS 2 56.4 /
-    # 63.3, BN1 64 4 warps 61.6 / 61.7. Its timeline (profile_moe --timeline): the gate/up
-    # tiles' setup 11.3 us (the row maxima's scale loads queued behind the staging), the down
-    # loop 6.9 us from shared memory (an L2 round trip for x a step). Against the entry:
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    # staged after the gate/up ring's first loads, x 4 K-steps ahead in registers
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           RESIDENT=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           RESIDENT=True, STAGE_LATE=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           RESIDENT=True, MAXNREG=168),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=2, EVICT=True, PREFETCH=False,
-           RESIDENT=True),
+    # round 18 (session 16; the code is gone): RESIDENT, each program staged its down tile's
+    # whole K slice in shared memory (cp.async, L2 evict-first), then ran its gate/up tile and
+    # that down tile from shared memory. Printouts, MXFP4 / NVFP4: at aa8eb76 (staged before
+    # the gate/up tile, x read at each down K-step) the entry 44.0 / 47.0 us, RESIDENT 57.4 /
+    # 64.3, BN2 64 split 2 61.8 / 71.0, REGS 2 56.4 / 63.3, BN1 64 4 warps 61.6 / 61.7; at
+    # 3f9e073 (staged after the gate/up ring's first loads, x 4 K-steps ahead in registers)
+    # the entry 43.8 / 46.7, RESIDENT 57.7 / 68.0, staged first 60.0 / 65.6, 168 registers
+    # 59.1 / 63.9, REGS 2 60.2 / 64.2. Timeline at 3f9e073: gate/up ends at 37.1 us (the
+    # entry's 27.1), the down loop from shared memory 7.7 us a tile (the entry's 7.9)
 ]
 
 

@@ -976,14 +976,6 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
         with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
-    # RESIDENT's reasons that need no GPU to give: the register ring, a pair's gate/up and
-    # down tiles equal in number, the staged slice within 48 KB (arguments: H, I, BN1, BN2,
-    # SPLIT1, SPLIT2, num_warps, REGS, NVFP4, device)
-    assert "REGS" in moe_mma2.why_not_resident(4096, 2048, 32, 32, 2, 1, 2, 0, False, None)
-    assert "(I / BN1) * SPLIT1 = 256, (H / BN2) * SPLIT2 = 128" in moe_mma2.why_not_resident(
-        4096, 2048, 32, 32, 4, 1, 2, 4, False, None)
-    assert "48 KB of shared memory (it is 69632 bytes)" in moe_mma2.why_not_resident(
-        4096, 4096, 64, 32, 2, 1, 2, 4, False, None)
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -1112,50 +1104,6 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
         assert torch.equal(run(EVICT=not launch.get("EVICT", False)), out)
 
 
-# RESIDENT launches: (H, I) with tile sizes and splits that give a pair as many gate/up as down
-# tiles ((I / BN1) SPLIT1 == (H / BN2) SPLIT2), including one-warp tiles, a 3-way down split
-# and the table's T = 1 layout
-_RESIDENT_SHAPES = [dict(H=1024, I=512, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2),
-                    dict(H=512, I=512, BN1=32, BN2=32, SPLIT1=1, SPLIT2=1, num_warps=2),
-                    dict(H=1024, I=1536, BN1=32, BN2=32, SPLIT1=2, SPLIT2=3, num_warps=2),
-                    dict(H=512, I=512, BN1=8, BN2=16, SPLIT1=1, SPLIT2=2, num_warps=1),
-                    dict(H=1024, I=512, BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4),
-                    dict(H=4096, I=2048, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2)]
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=20, deadline=None)
-@given(T=st.integers(1, 8), shape=st.sampled_from(_RESIDENT_SHAPES), regs=st.sampled_from([2, 4]),
-       **{k: v for k, v in _MMA2_DRAWS.items() if k not in ("H", "I")})
-def test_gpu_mma2_resident_matches_reference(T, shape, regs, E, k, fmt, limit, routing, seed):
-    # RESIDENT (each program stages a down tile's K slice in shared memory, runs a gate/up tile,
-    # then that down tile from shared memory) against the fp32 reference, one token to 8, both
-    # formats, -1 slots, every token on one expert, with and without the clamp; the same bits
-    # as the ticketed launch (the sums' order does not change) and with or without the L2
-    # policy; refused with the reason where a pair's gate/up and down tiles differ in number
-    from dsv4lab.kernels import moe_mma2
-    launch = dict(shape)
-    H, I = launch.pop("H"), launch.pop("I")
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-
-    def run(**change):
-        opts = dict(launch, FUSED=True, REGS=regs, EVICT=None, PREFETCH=False)
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, **kw, **dict(opts, **change))
-    if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="RESIDENT needs REGS"):
-            run(RESIDENT=True)
-        return
-    out = run(RESIDENT=True)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(out, run(RESIDENT=False))
-    assert torch.equal(out, run(RESIDENT=True, EVICT=False))
-    with pytest.raises(ValueError, match="RESIDENT needs as many gate/up as down tiles"):
-        run(RESIDENT=True, SPLIT1=2 * launch["SPLIT1"])
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -1216,9 +1164,7 @@ def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing
                                         num_warps=2, ACC_SCALE=True),
                                    dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4),
                                    dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4,
-                                        EVICT=True, PREFETCH=False),
-                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4,
-                                        EVICT=True, PREFETCH=False, RESIDENT=True)])
+                                        EVICT=True, PREFETCH=False)])
 def test_gpu_mma2_fused_decode_in_graph(fmt, split):
     # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
     # graph and replayed on new routing: the counters start from zero on every replay

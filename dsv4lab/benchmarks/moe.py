@@ -171,9 +171,6 @@ VARIANTS = [
     # the T = 1 entry with a down tile's first ring loads issued after its wait for the
     # activations (EARLY off), as before session 12
     ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False))),
-    # Session 16: each program stages a down tile's K slice in shared memory (cp.async, L2
-    # evict-first) before its gate/up tile, then runs that down tile (moe_mma2 RESIDENT)
-    ("mma2_resident_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, RESIDENT=True))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -187,7 +184,6 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
                 "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
                 "mma2_smem_t1": (1,), "mma2_noevict_t1": (1,), "mma2_late_ring_t1": (1,),
-                "mma2_resident_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
