@@ -161,7 +161,12 @@ gate/up ring's first loads with x 4 K-steps ahead, 59.1 / 63.9 at 168 registers.
 queue behind the staging: the 75 MB still arrive at ~2 TB/s, more bytes in flight do not raise
 it), and the down loop from shared memory takes 7.7 us a tile, as from the ring (7.9): it is
 bound by its ~210 instructions a K-step and warp (12 warps an SM), not by its loads, so the
-down phase cannot shrink below ~6 us once it runs after the gate/up phase.
+down phase cannot shrink below ~6 us once it runs after the gate/up phase. Nor did ``ACC2``
+(session 16, code removed): the register ring's odd K-steps summed into a second accumulator,
+so that two mma chains interleave (tune_moe round 19, two printouts at a5f5404, MXFP4 / NVFP4):
+the entry 43.7-43.8 / 46.6-46.7 us; both loops 44.6-44.7 / 53.5, the down loops only 44.4 /
+46.7-46.9, the gate/up loops only 44.9-45.1 / 53.8-53.9. The mma chain's latency is not what
+paces the loops.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -637,8 +642,7 @@ def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.cons
 @gluon.jit
 def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg,
                  IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                 num_warps: gl.constexpr, EVICT: gl.constexpr = False,
-                 ACC2: gl.constexpr = False):
+                 num_warps: gl.constexpr, EVICT: gl.constexpr = False):
     """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
     decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
@@ -648,8 +652,7 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     warp runs its own chain, and the programs an SM holds are bounded by registers, not
     shared memory. Gate and up run as one matrix of 2 BN1 rows (see :func:`_decode_kernel`);
     every row is valid (the fused launch's row tiles divide the matrix). The ring's first
-    RING steps (pa, sa ...) come from :func:`_ring_start`. ``ACC2`` (RING 4): the odd K-steps
-    go into a second accumulator, added at the end, so that two chains of mmas interleave."""
+    RING steps (pa, sa ...) come from :func:`_ring_start`."""
     W: gl.constexpr = num_warps
     MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -673,28 +676,15 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT)
     else:
-        acc2 = gl.zeros([BN, BM], gl.float32, layout=MMA)
         for k in range(0, nseg, 4):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT)
-            if ACC2:
-                acc2 = _regs_step(acc2, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP,
-                                  B_OP)
-            else:
-                acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP,
-                                 B_OP)
+            acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS, EVICT)
             acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS, EVICT)
-            if ACC2:
-                acc2 = _regs_step(acc2, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP,
-                                  B_OP)
-            else:
-                acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP,
-                                 B_OP)
+            acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS, EVICT)
-        if ACC2:
-            acc = acc + acc2
     return acc
 
 
@@ -919,8 +909,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
-                  ACC2: gl.constexpr = 0):
+                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
     slice, the SwiGLU into act[p], and pair p's count released."""
@@ -947,7 +936,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                                                           num_warps, EVICT)
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
-                               nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT, ACC2 % 2 == 1)
+                               nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
             _stamp(stamps_ptr, tile, 3, num_warps)
             acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
             # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
@@ -1001,8 +990,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                IS_NV: gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr,
                STAGES: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
                ASM: gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr,
-               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr,
-               ACC2: gl.constexpr = 0):
+               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
     ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
     the last tile of its rows sums them over the pairs into out."""
@@ -1035,7 +1023,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                 pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
                                                              num_warps, EVICT)
             acc = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask, nseg2,
-                               IS_NV, BN2, REGS, num_warps, EVICT, ACC2 >= 2)
+                               IS_NV, BN2, REGS, num_warps, EVICT)
         else:
             acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                   IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
@@ -1069,7 +1057,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, ACC2: gl.constexpr = 0):
+                   EARLY: gl.constexpr = True):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1095,9 +1083,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`. ``ACC2`` (REGS 4; bits: 1 the gate/up tiles, 2
-    the down tiles): their K loops' odd steps go into a second accumulator
-    (:func:`_k_loop_regs`)."""
+    ``EVICT`` (REGS): see :func:`fused_moe`."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -1123,13 +1109,13 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
                       stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT, ACC2)
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT)
     else:
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
                    nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
                    stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
-                   ACC_SCALE, REGS, EVICT, EARLY, ACC2)
+                   ACC_SCALE, REGS, EVICT, EARLY)
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1155,7 +1141,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, ACC2=0):
+              EVICT=False, EARLY=True):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1178,8 +1164,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
-    ``ACC2`` (REGS 4 only; 0-3, bits: 1 gate/up, 2 down): the K loops' odd steps summed into a
-    second accumulator (see :func:`_decode_kernel`).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1192,9 +1176,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS and ACC_SCALE:
         raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
                          "per scale block; REGS reads x as the token's row)")
-    if ACC2 not in (0, 1, 2, 3) or (ACC2 and REGS not in (None, 4)):
-        raise ValueError(f"moe_mma2: ACC2 must be 0-3 (bits: 1 gate/up, 2 down) and needs REGS 4 "
-                         f"(or None), got ACC2={ACC2!r}, REGS={REGS!r}")
     if EVICT and REGS == 0:
         raise ValueError("moe_mma2: EVICT applies to REGS's loads (cp.async takes no L2 policy "
                          "here); give REGS 2 or 4, or None where it resolves to them")
@@ -1260,7 +1241,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), int(ACC2))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1300,7 +1281,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, acc2=0):
+                  evict=False, early=True):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1328,7 +1309,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, ACC2=acc2,
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
         launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out

@@ -310,15 +310,10 @@ CANDIDATES = [
     # the entry 43.8 / 46.7, RESIDENT 57.7 / 68.0, staged first 60.0 / 65.6, 168 registers
     # 59.1 / 63.9, REGS 2 60.2 / 64.2. Timeline at 3f9e073: gate/up ends at 37.1 us (the
     # entry's 27.1), the down loop from shared memory 7.7 us a tile (the entry's 7.9)
-    # round 19 (session 16): ACC2, the register ring's odd K-steps into a second accumulator
-    # (two interleaved mma chains; bits: 1 gate/up, 2 down), against the entry
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           ACC2=3),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           ACC2=2),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           ACC2=1),
+    # round 19 (session 16; the code is gone): ACC2, the register ring's odd K-steps into a
+    # second accumulator (two interleaved mma chains). Two printouts at a5f5404, MXFP4 /
+    # NVFP4: the entry 43.7-43.8 / 46.6-46.7 us; both loops 44.6-44.7 / 53.5; the down loops
+    # only 44.4 / 46.7-46.9; the gate/up loops only 44.9-45.1 / 53.8-53.9
 ]
 
 
