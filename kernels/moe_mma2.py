@@ -166,7 +166,11 @@ down phase cannot shrink below ~6 us once it runs after the gate/up phase. Nor d
 so that two mma chains interleave (tune_moe round 19, two printouts at a5f5404, MXFP4 / NVFP4):
 the entry 43.7-43.8 / 46.6-46.7 us; both loops 44.6-44.7 / 53.5, the down loops only 44.4 /
 46.7-46.9, the gate/up loops only 44.9-45.1 / 53.8-53.9. The mma chain's latency is not what
-paces the loops.
+paces the loops. Nor did down tiles that wait only for the activations of their own K slice
+(session 16, code removed: one count a pair's down slice, so that with the down K split the
+first slices' down tiles run while the last gate/up tiles do; tune_moe round 20, printout at
+95a1527, MXFP4 / NVFP4): the entry 43.8 / 46.8 us; SPLIT2 2 51.1 / 55.7 (BN2 32), 44.3 / 54.4
+(BN2 64); SPLIT2 4 54.0 / 63.6 (BN2 32), 53.6 / 57.0 (BN2 64).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -909,8 +913,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
-                  SPLIT2: gl.constexpr):
+                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
     slice, the SwiGLU into act[p], and pair p's count released."""
@@ -969,8 +972,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
     last = True
     if SPLIT1 > 1:
         cta_barrier()
-        last = gl.atomic_add(ctr_ptr + 1 + P * SPLIT2 + n_tiles2 + g, 1, sem="acq_rel",
-                             scope="gpu") == SPLIT1 - 1
+        last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == SPLIT1 - 1
         if last & (e >= 0):                 # the row tile's last slice: sum in slice order
             gate = gl.zeros([BN1, BM], gl.float32, layout=MMA)
             up = gl.zeros([BN1, BM], gl.float32, layout=MMA)
@@ -981,9 +983,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
             _store_act(act_ptr, p, stride_act, offs_n, m, col, gate, up, swiglu_limit, HAS_LIMIT)
     if last:
         cta_barrier()                         # every thread's act stores, then one release
-        # the count of the down K slice these rows of act[p] fall in
-        gl.atomic_add(ctr_ptr + 1 + p * SPLIT2 + pn // (n_tiles1 // SPLIT2), 1, sem="release",
-                      scope="gpu")
+        gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
     _stamp(stamps_ptr, tile, 4, num_warps)
 
 
@@ -1016,7 +1016,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                                                          num_warps, EVICT)
         if PREFETCH:
             _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
-        _wait_count(ctr_ptr + 1 + p * SPLIT2 + sp, n_tiles1 // SPLIT2)
+        _wait_count(ctr_ptr + 1 + p, n_tiles1)
         _stamp(stamps_ptr, row, 2, num_warps)
         a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
         amask = col
@@ -1036,7 +1036,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
         gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_h, m), y, mask=col[None, :])
     cta_barrier()
-    done = gl.atomic_add(ctr_ptr + 1 + P * SPLIT2 + pn, 1, sem="acq_rel", scope="gpu")
+    done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
     if done == P * SPLIT2 - 1:                # the last of this row tile's down tiles
         total = gl.zeros([BN2, BM], gl.float32, layout=MMA)
         for q in range(P):                    # pairs and slices in order: the same sum every call
@@ -1069,10 +1069,9 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     first, pair by pair, then the down tiles, pair by pair: a program that waits only ever
     waits for tiles already handed to running programs, so the launch cannot deadlock
     whatever order the hardware starts programs in. Counters (ctr_ptr, zeroed by the
-    launcher): [0] the ticket; [1 + p SPLIT2 + c] pair p's finished gate/up row tiles whose
-    activations fall in down K slice c (a down tile waits for its own slice's activations
-    only); [1 + P SPLIT2 + n] the finished down tiles of hidden rows n * BN2 ...;
-    [1 + P SPLIT2 + H / BN2 + g] the finished K slices of gate/up row tile g (split-K only).
+    launcher): [0] the ticket; [1 + p] pair p's finished gate/up row tiles; [1 + P + n] the
+    finished down tiles of hidden rows n * BN2 ...; [1 + P + H / BN2 + g] the finished K
+    slices of gate/up row tile g (split-K only).
     - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over a K
       slice of H; split over K (SPLIT1), fp32 partials, the last slice to finish sums them
       in order; then the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), released;
@@ -1114,7 +1113,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
                       stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT, SPLIT2)
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT)
     else:
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
@@ -1237,13 +1236,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         pdl = pdl_able if PDL is None else bool(PDL)
         if pdl and not pdl_able:
             raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
-        # the ticket, one count a pair's down K slice, one a down row tile, one a gate/up row
-        # tile (see _decode_kernel), zeroed by x's copy
-        if (I // BN1) % split2:
-            raise ValueError(f"moe_mma2: the fused launch needs SPLIT2 ({split2}) to divide the "
-                             f"gate/up row tiles I / BN1 ({I // BN1})")
-        counters = torch.empty(1 + P * split2 + H // BN2 + P * (I // BN1), dtype=torch.int32,
-                               device=dev)
+        # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
+        # _decode_kernel), zeroed by x's copy
+        counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)

@@ -314,14 +314,10 @@ CANDIDATES = [
     # second accumulator (two interleaved mma chains). Two printouts at a5f5404, MXFP4 /
     # NVFP4: the entry 43.7-43.8 / 46.6-46.7 us; both loops 44.6-44.7 / 53.5; the down loops
     # only 44.4 / 46.7-46.9; the gate/up loops only 44.9-45.1 / 53.8-53.9
-    # round 20 (session 16): a down tile waits only for the activations of its own K slice
-    # (one count a pair's slice), so with the down K split the first slices' down tiles run
-    # while the last gate/up tiles do; against the entry (SPLIT2 1: the same launch as before)
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=4, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
-    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=4, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    # round 20 (session 16; the code is gone): a down tile waiting only for the activations of
+    # its own K slice (one count a pair's slice). Printout at 95a1527, MXFP4 / NVFP4: the entry
+    # 43.8 / 46.8 us; SPLIT2 2 51.1 / 55.7 (BN2 32), 44.3 / 54.4 (BN2 64); SPLIT2 4 54.0 /
+    # 63.6 (BN2 32), 53.6 / 57.0 (BN2 64)
 ]
 
 
