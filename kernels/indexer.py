@@ -43,13 +43,12 @@ written into the same buffers.
 
 Explained in notebooks/03_indexer_capping.ipynb.
 """
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.kernels.device import sm_count
+from dsv4lab.kernels.device import interpreting, sm_count
 
 # How the indexer matmul runs (DOT_MODE): the wider of q's and k's dtypes.
 DOT_FP8 = 0    # e4m3 x e4m3 tensor-core dot, fp32 accumulate (sm_89+)
@@ -267,7 +266,7 @@ def _topk_kernel(logits_ptr, cl_ptr, out_ptr,
 # ------------------------------------------------------------------------ launchers
 
 def _interpreting(device) -> bool:
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return device.type != "cuda" or interpreting()
 
 
 def dot_mode(q_dtype, k_dtype, device) -> int:

@@ -120,24 +120,18 @@ Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from dsv4lab.kernels.device import gluon_unsupported
+from dsv4lab.kernels.device import gluon_unsupported, interpreting
 from dsv4lab.kernels.moe_align import (_align_body, align_buffers, align_kernel_fits, block_rows, moe_align,
                                        num_blocks_max)
 
 X_PRESCALE = 2.0 ** -8      # x and activations enter the fp16 dot scaled by this
 W_OFFSET = 2.0 ** -14       # the fp16 bit trick yields value * 2**-14
 UNDO = 2.0 ** 22            # 1 / (X_PRESCALE * W_OFFSET): the NVFP4 epilogue factor
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -1110,7 +1104,7 @@ def config_for(T: int, topk: int, E: int, fmt: str = "mxfp4") -> dict:
     """Tile sizes from :data:`CONFIGS` by the average rows per expert hit and the format."""
     r = rows_per_expert(T, topk, E)
     cfg = next(dict(c[fmt]) for bound, c in CONFIGS if r <= bound)
-    if _interpreting():
+    if interpreting():
         cfg.update(num_stages=1)
     return cfg
 
@@ -1207,7 +1201,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     fast = bool(cfg.get("FASTDEC", False))
     if fast and dec32:
         raise ValueError("config: FASTDEC and DECODE32 are alternative decodes; set one")
-    fast = fast and not _interpreting()
+    fast = fast and not interpreting()
     xpre = bool(cfg.get("XPRE", False))
     if xpre and dec32:
         raise ValueError("config: XPRE (pre-split x) and DECODE32 (x in word order) exclude each other")
@@ -1277,12 +1271,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     # pointer will do (no zero-filled placeholder: one launch less)
     g13 = w13_global.contiguous() if is_nv else ypair
     g2 = w2_global.contiguous() if is_nv else ypair
-    dot_fp32 = _interpreting()
+    dot_fp32 = interpreting()
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
     maxnreg = cfg.get("MAXNREG")
     if maxnreg is not None and not (isinstance(maxnreg, int) and 32 <= maxnreg <= 255):
         raise ValueError(f"config: MAXNREG must be None or an int in [32, 255], got {maxnreg!r}")
-    regcap = {} if maxnreg is None or _interpreting() else dict(maxnreg=maxnreg)
+    regcap = {} if maxnreg is None or interpreting() else dict(maxnreg=maxnreg)
     # W16: the kernels address the weights in int16 words and the scales in int32 words
     wword, sword = (2, 4) if w16 else (1, 1)
     ks1 = H // 2 // split1 // GS // sword

@@ -182,7 +182,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from dsv4lab.kernels.device import gluon_unsupported, pdl_ok
+from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
 from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
@@ -1125,7 +1125,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
 def supported(x, H: int, I: int, tensors=()) -> str | None:
     """None if these kernels run here, else why not (a capability check, no launch).
     ``tensors``: the weights and scales, whose storage must be 16-byte aligned."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         return "Gluon kernels do not run in Triton's interpreter"
     why = gluon_unsupported()
     if why is not None:

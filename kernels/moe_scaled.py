@@ -72,22 +72,16 @@ Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.kernels.device import sm_count
+from dsv4lab.kernels.device import interpreting, sm_count
 from dsv4lab.kernels.moe import _moe_combine_kernel, _swiglu
 from dsv4lab.kernels.moe_align import block_rows, moe_align
 
 # e2m1 x bf16 dot_scaled: Triton's decomposition (upcast + mma) needs an mma-capable GPU.
 MIN_CAPABILITY = (8, 0)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -274,7 +268,7 @@ def config_for(T: int, topk: int, E: int) -> dict:
     P = T * topk
     r = P / max(1, min(P, E))
     cfg = dict(next(c for bound, c in CONFIGS if r <= bound))
-    if _interpreting():
+    if interpreting():
         cfg.update(num_stages=1)
     return cfg
 
@@ -307,7 +301,7 @@ def _auto_split1(programs: int, steps: int, device: torch.device) -> int:
 def check_capability(device: torch.device) -> None:
     """Raise RuntimeError unless ``device`` can run e2m1 x bf16 ``tl.dot_scaled``."""
     if device.type != "cuda":
-        if _interpreting():
+        if interpreting():
             return
         raise RuntimeError(f"fused_moe_scaled runs on a CUDA GPU or in Triton's interpreter "
                            f"(TRITON_INTERPRET=1); got device {device}")
@@ -346,7 +340,7 @@ def fused_moe_scaled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *,
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
     if T == 0:
         return out.zero_()
-    interp = _interpreting()
+    interp = interpreting()
     dot_fmt = "fp16" if interp else "bf16"
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()

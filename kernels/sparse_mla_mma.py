@@ -92,7 +92,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4lab.kernels import l2_hint
-from dsv4lab.kernels.device import gluon_unsupported, pdl_ok, sm_count
+from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok, sm_count
 
 LOG2E = 1.4426950408889634
 FP8_ROW_BYTES = 584      # 448 e4m3 + 64 bf16 + 7 ue8m0 scales + 1 pad
@@ -826,11 +826,6 @@ SPLIT_ROWS_MULTIPLE = 64   # split ranges are multiples of every BLOCK_N candida
 SCAN_N = 512               # slots per load when looking for a split's last valid slot
 
 
-def _is_interpreter():
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def plan_splits(n_programs: int, topk: int, sm_count: int) -> tuple[int, int]:
     """(num_splits, split_rows): split topk when there are too few programs to fill
     the GPU; each split covers a multiple of 64 slots."""
@@ -884,7 +879,7 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=No
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
-    interp = _is_interpreter()
+    interp = interpreting()
     if fp8:
         assert D == FP8_DIM and kv.shape[-1] == FP8_ROW_BYTES
     hw_default = interp or dev.type != "cuda" or _capability(dev) >= (8, 9)

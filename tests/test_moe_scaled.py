@@ -172,7 +172,7 @@ def test_scaled_config_checks(monkeypatch):
         scaled(x, ex, ids, torch.ones(2, 1), None, dict(BLOCK=3))
     with pytest.raises(ValueError, match="BN1 must be a power of two >= 16"):
         scaled(x, ex, ids, torch.ones(2, 1), None, dict(BN1=8))
-    monkeypatch.setattr(kms, "_interpreting", lambda: False)   # CPU without the interpreter
+    monkeypatch.setattr(kms, "interpreting", lambda: False)   # CPU without the interpreter
     with pytest.raises(RuntimeError, match="CUDA GPU or in Triton's interpreter"):
         kms.check_capability(torch.device("cpu"))
 
