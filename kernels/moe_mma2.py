@@ -170,7 +170,10 @@ paces the loops. Nor did down tiles that wait only for the activations of their 
 (session 16, code removed: one count a pair's down slice, so that with the down K split the
 first slices' down tiles run while the last gate/up tiles do; tune_moe round 20, printout at
 95a1527, MXFP4 / NVFP4): the entry 43.8 / 46.8 us; SPLIT2 2 51.1 / 55.7 (BN2 32), 44.3 / 54.4
-(BN2 64); SPLIT2 4 54.0 / 63.6 (BN2 32), 53.6 / 57.0 (BN2 64).
+(BN2 64); SPLIT2 4 54.0 / 63.6 (BN2 32), 53.6 / 57.0 (BN2 64). The dirty L2 is not what is
+left: the default takes 43.2 us after a clean L2 against 44.4 after the dirty flush (MXFP4; two
+runs each, ``DSV4LAB_L2=clean|dirty python3 scripts/tune_moe.py --tokens 1 --only 123,149``,
+printouts at 32a2fde; without EVICT 42.8-43.1 / 47.6-47.7).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
