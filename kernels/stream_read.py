@@ -63,18 +63,29 @@ def stream_read(words: torch.Tensor, *, programs: int | None = None, block: int 
 @triton.jit
 def _rows_read_kernel(src, out, ROWS: tl.constexpr, STEP: tl.constexpr, NSTEP: tl.constexpr,
                       SLICES: tl.constexpr, ROW_BYTES: tl.constexpr, EVICT: tl.constexpr,
-                      SPREAD: tl.constexpr):
+                      SPREAD: tl.constexpr, TILE_MAJOR: tl.constexpr):
     """Program p: ROWS rows of tile p // SLICES, K slice p % SLICES, STEP bytes a row a step;
     writes each row's xor over its slice. SPREAD: a step's 16-byte pieces lie SPREAD pieces
-    apart, so SPREAD steps cover SPREAD x STEP contiguous bytes a row."""
+    apart, so SPREAD steps cover SPREAD x STEP contiguous bytes a row. TILE_MAJOR: the tile's
+    slices stored one after the other, each K-step-major (a step's ROWS x STEP bytes
+    contiguous), as a weight layout packed for these reads would be."""
     pid = tl.program_id(0)
-    rows = (pid // SLICES) * ROWS + tl.arange(0, ROWS)
+    r = tl.arange(0, ROWS)
     cols = tl.arange(0, STEP // 4)
     piece = (cols // 4) * (SPREAD * 4) + cols % 4      # words: piece t at t x SPREAD pieces
-    base = src + rows[:, None].to(tl.int64) * (ROW_BYTES // 4) + (pid % SLICES) * (NSTEP * STEP // 4)
+    if TILE_MAJOR:
+        base = (src + (pid // SLICES).to(tl.int64) * (ROWS * ROW_BYTES // 4)
+                + (pid % SLICES) * (ROWS * NSTEP * STEP // 4) + r[:, None] * (STEP // 4))
+    else:
+        rows = (pid // SLICES) * ROWS + r
+        base = (src + rows[:, None].to(tl.int64) * (ROW_BYTES // 4)
+                + (pid % SLICES) * (NSTEP * STEP // 4))
     acc = tl.zeros([ROWS, STEP // 4], tl.int32)
     for k in range(NSTEP):
-        at = (k // SPREAD) * (SPREAD * STEP // 4) + (k % SPREAD) * 4 + piece
+        if TILE_MAJOR:
+            at = k * (ROWS * STEP // 4) + piece
+        else:
+            at = (k // SPREAD) * (SPREAD * STEP // 4) + (k % SPREAD) * 4 + piece
         if EVICT:
             acc ^= tl.load(base + at[None, :], eviction_policy="evict_first")
         else:
@@ -83,11 +94,14 @@ def _rows_read_kernel(src, out, ROWS: tl.constexpr, STEP: tl.constexpr, NSTEP: t
 
 
 def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slices: int = 1,
-              evict: bool = False, spread: int = 1, num_warps: int = 2) -> torch.Tensor:
+              evict: bool = False, spread: int = 1, tile_major: bool = False,
+              num_warps: int = 2) -> torch.Tensor:
     """Read ``words`` (contiguous 1-D int32) as rows of ``row_bytes`` bytes: a program ``rows``
     rows and one of ``slices`` K slices of them, ``step`` bytes a row a step (``evict``: with an
     L2 evict-first policy instead of ``.cg``; ``spread``: a step's 16-byte pieces ``spread``
-    pieces apart, as a K order where a lane's loads over ``spread`` steps are contiguous).
+    pieces apart, as a K order where a lane's loads over ``spread`` steps are contiguous;
+    ``tile_major``: the same reads from a layout where a tile's K-step is ``rows`` x ``step``
+    contiguous bytes, not with ``spread``).
     Returns each (program, row)'s xor: their xor
     equals the xor of ``words``, the check that every word was read. Why the MoE cares (its
     weights' L2 policy): notebooks/04_mxfp4_moe_port.ipynb."""
@@ -102,6 +116,9 @@ def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slic
     if spread > 1 and (step < 16 or (row_bytes // slices) % (spread * step)):
         raise ValueError(f"spread {spread} needs a step of at least 16 bytes and slices of "
                          f"row_bytes / slices ({row_bytes // slices}) a multiple of spread x step")
+    if tile_major and spread > 1:
+        raise ValueError(f"tile_major reads a step's bytes contiguously; spread must be 1, "
+                         f"got {spread}")
     if nbytes % (rows * row_bytes):
         raise ValueError(f"words ({nbytes} bytes) must hold whole tiles of {rows} rows of "
                          f"{row_bytes} bytes")
@@ -110,6 +127,7 @@ def rows_read(words: torch.Tensor, *, row_bytes: int, rows: int, step: int, slic
     _rows_read_kernel[(programs,)](words, out, ROWS=rows, STEP=step,
                                    NSTEP=row_bytes // slices // step, SLICES=slices,
                                    ROW_BYTES=row_bytes, EVICT=bool(evict), SPREAD=spread,
+                                   TILE_MAJOR=bool(tile_major),
                                    num_warps=num_warps,
                                    num_stages=4)
     return out

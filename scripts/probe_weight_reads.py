@@ -13,6 +13,8 @@ dirty L2), with :func:`dsv4lab.kernels.stream_read.rows_read` and
 * the loads' cache policy (``.cg``, as the MoE before session 12; L2 evict-first, ``EVICT``),
 * where a step's 16-byte pieces lie (``spread``: 1, contiguous as the MoE; 2 or 4 pieces apart,
   a K order in which a lane's loads over 2 or 4 steps are contiguous),
+* the layout (``tile-major``: a tile's K-step, its rows x 64 bytes, contiguous, as weights
+  packed for these reads would lie; the lead for a faster T = 1 read),
 
 against :func:`dsv4lab.kernels.stream_read.stream_read` of the same 48 MB. Its printout is the
 reason for moe_mma2's ``EVICT`` (session 12); the recorded evidence is ``dsv4lab bench moe``
@@ -53,12 +55,16 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}; CUDA graph, dirty L2")
     us = lambda fn: bench.time_graph(fn)["ms"] * 1e3      # noqa: E731
     print(f"  stream_read, 48 MB                               {us(lambda: stream_read(gate_up)):6.1f} us")
-    for step, evict, spread in ((64, False, 1), (64, True, 1), (64, True, 2), (64, True, 4),
-                                (256, False, 1), (256, True, 1)):
+    for step, evict, spread, tiled in ((64, False, 1, False), (64, True, 1, False),
+                                       (64, True, 2, False), (64, True, 4, False),
+                                       (256, False, 1, False), (256, True, 1, False),
+                                       (64, True, 1, True)):
         tag = (f"gate/up rows, {step:3d} B a row a step, {'evict-first' if evict else '.cg        '}"
-               f", pieces {spread} apart")
-        gu = dict(row_bytes=2048, rows=64, step=step, slices=2, evict=evict, spread=spread)
-        dn = dict(row_bytes=1024, rows=32, step=step, slices=1, evict=evict, spread=spread)
+               f", pieces {spread} apart{', tile-major' if tiled else ''}")
+        gu = dict(row_bytes=2048, rows=64, step=step, slices=2, evict=evict, spread=spread,
+                  tile_major=tiled)
+        dn = dict(row_bytes=1024, rows=32, step=step, slices=1, evict=evict, spread=spread,
+                  tile_major=tiled)
         one = us(lambda: rows_read(gate_up, **gu))
         both = us(lambda: (rows_read(gate_up, **gu), rows_read(down, **dn)))
         print(f"  {tag}  {one:6.1f} us; then the down rows: {both:6.1f} us")

@@ -176,21 +176,34 @@ def test_gap_table_pairs_the_states_of_one_commit():
 
 @settings(max_examples=8, deadline=None)
 @given(rows=st.sampled_from([1, 4]), step=st.sampled_from([16, 64]), slices=st.sampled_from([1, 2]),
-       tiles=st.sampled_from([1, 3]), evict=st.booleans(), spread=st.sampled_from([1, 2, 4]))
-def test_rows_read_reads_every_word(rows, step, slices, tiles, evict, spread):
+       tiles=st.sampled_from([1, 3]), evict=st.booleans(), spread=st.sampled_from([1, 2, 4]),
+       tile_major=st.booleans())
+def test_rows_read_reads_every_word(rows, step, slices, tiles, evict, spread, tile_major):
     """scripts/probe_weight_reads.py's read: tiles of rows, K slices, a step of bytes a row a
-    step, either cache policy, pieces spread or not: the xors of (program, row) fold to the
-    xor of all words."""
+    step, either cache policy, pieces spread or not, rows or tile-major layout: the xors of
+    (program, row) fold to the xor of all words."""
     from dsv4lab.benchmarks.l2 import _xor
     from dsv4lab.kernels.stream_read import rows_read
     row_bytes = 2 * slices * step * spread
     n = tiles * rows * row_bytes // 4
     words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
                           generator=torch.Generator().manual_seed(n)).to(runtime.device())
+    if tile_major and spread > 1:
+        with pytest.raises(ValueError, match="spread must be 1"):
+            rows_read(words, row_bytes=row_bytes, rows=rows, step=step, spread=spread,
+                      tile_major=True)
+        return
     out = rows_read(words, row_bytes=row_bytes, rows=rows, step=step, slices=slices, evict=evict,
-                    spread=spread)
+                    spread=spread, tile_major=tile_major)
     assert out.shape == (tiles * slices * rows,)
     assert _xor(out) == _xor(words)
+    if tile_major:      # (program, row)'s xor: its slice's words, K-step-major in the tile
+        w = words.cpu().view(tiles, slices, row_bytes // slices // step, rows, step // 4)
+        want = torch.zeros(tiles, slices, rows, dtype=torch.int32)
+        for k in range(w.shape[2]):
+            for c in range(w.shape[4]):
+                want ^= w[:, :, k, :, c]
+        assert torch.equal(out.cpu(), want.reshape(-1))
 
 
 def test_rows_read_refuses_bad_input():
