@@ -358,16 +358,24 @@ def _mult32(sb, IS_NV: gl.constexpr):
 
 
 @gluon.jit
-def _row_smax(s_row, nmask, KS, BN: gl.constexpr, num_warps: gl.constexpr):
-    """The largest MXFP4 scale byte of each row over its K slice (KS bytes from s_row)."""
+def _row_smax(s_row, nmask, KS, BN: gl.constexpr, num_warps: gl.constexpr,
+              SSTEP: gl.constexpr = 0):
+    """The largest MXFP4 scale byte of each row over its K slice (KS bytes from s_row;
+    ``SSTEP``: TILED, a K-step's 4 bytes of the row SSTEP bytes after the step before's)."""
     L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
     kc = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
+    if SSTEP:
+        kc = (kc // 4) * SSTEP + kc % 4
     rows = gl.convert_layout(s_row, gl.SliceLayout(1, L))
     rm = gl.convert_layout(nmask, gl.SliceLayout(1, L))
     m = gl.zeros([BN], gl.int32, layout=gl.SliceLayout(1, L))
+    kk = gl.arange(0, 32, layout=gl.SliceLayout(0, L))
     for k0 in range(0, KS, 32):
-        sb = gl.load(rows[:, None] + (k0 + kc)[None, :],
-                     mask=rm[:, None] & ((k0 + kc) < KS)[None, :], other=0)
+        at = k0
+        if SSTEP:
+            at = k0 // 4 * SSTEP
+        sb = gl.load(rows[:, None] + (at + kc)[None, :],
+                     mask=rm[:, None] & ((k0 + kk) < KS)[None, :], other=0)
         m = gl.maximum(m, gl.max(sb.to(gl.int32), axis=1))
     return m
 
@@ -559,15 +567,19 @@ def _decode_words(wd, mult, BN: gl.constexpr, NS: gl.constexpr, GS: gl.constexpr
 
 @gluon.jit
 def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexpr,
-               EVICT: gl.constexpr = False):
+               EVICT: gl.constexpr = False, TILED: gl.constexpr = False):
     """REGS: K-step k's weight words [BN, 16] (lane t's 16 bytes of a row, one 16-byte load)
     and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers. Unmasked:
-    the fused launch's row tiles divide the matrix, and k is clamped by the caller."""
+    the fused launch's row tiles divide the matrix, and k is clamped by the caller. ``TILED``:
+    the weights in :func:`pack_tile_major`'s layout (a step's 16 rows x 64 bytes contiguous:
+    the next step of a row lies 1024 bytes on, its scales 16 NSC bytes on)."""
     CACHE: gl.constexpr = _load_hints(EVICT)[0]
     POLICY: gl.constexpr = _load_hints(EVICT)[1]
-    p = gl.load(w_rows[:, None] + (k * (SEG_BYTES // 4) + cw)[None, :], cache_modifier=CACHE,
+    WSTEP: gl.constexpr = 16 * SEG_BYTES // 4 if TILED else SEG_BYTES // 4
+    SSTEP: gl.constexpr = 16 * NSC if TILED else NSC
+    p = gl.load(w_rows[:, None] + (k * WSTEP + cw)[None, :], cache_modifier=CACHE,
                 eviction_policy=POLICY)
-    sb = gl.load(s_rows[:, None, None] + k * NSC + t4[None, :, None] * NS + si[None, None, :],
+    sb = gl.load(s_rows[:, None, None] + k * SSTEP + t4[None, :, None] * NS + si[None, None, :],
                  cache_modifier=CACHE, eviction_policy=POLICY)
     return p, sb
 
@@ -627,7 +639,8 @@ def _ring_addrs(w, s, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.const
 
 @gluon.jit
 def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                num_warps: gl.constexpr, EVICT: gl.constexpr = False):
+                num_warps: gl.constexpr, EVICT: gl.constexpr = False,
+                TILED: gl.constexpr = False):
     """REGS: the loads of a slice's first RING K-steps (see :func:`_k_loop_regs`), issued on
     their own so that a down tile can request its first weight bytes before it waits for its
     activations (``EARLY``). For RING 2 the last two of the eight results repeat the first two
@@ -636,11 +649,11 @@ def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.cons
     NSC: gl.constexpr = _regs_layouts(BN, num_warps, IS_NV)[4]
     w_rows, s_rows, cw, t4, si = _ring_addrs(w, s, IS_NV, BN, num_warps)
     last = nseg - 1
-    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT)
-    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT)
+    pa, sa = _load_step(w_rows, s_rows, 0, cw, t4, si, NSC, NS, EVICT, TILED)
+    pb, sb = _load_step(w_rows, s_rows, gl.minimum(1, last), cw, t4, si, NSC, NS, EVICT, TILED)
     if RING == 4:
-        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS, EVICT)
-        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS, EVICT)
+        pc, sc = _load_step(w_rows, s_rows, gl.minimum(2, last), cw, t4, si, NSC, NS, EVICT, TILED)
+        pd, sd = _load_step(w_rows, s_rows, gl.minimum(3, last), cw, t4, si, NSC, NS, EVICT, TILED)
     else:
         pc, sc, pd, sd = pa, sa, pb, sb
     return pa, sa, pb, sb, pc, sc, pd, sd
@@ -649,7 +662,8 @@ def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.cons
 @gluon.jit
 def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg,
                  IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
-                 num_warps: gl.constexpr, EVICT: gl.constexpr = False):
+                 num_warps: gl.constexpr, EVICT: gl.constexpr = False,
+                 TILED: gl.constexpr = False):
     """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
     decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
@@ -659,7 +673,7 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     warp runs its own chain, and the programs an SM holds are bounded by registers, not
     shared memory. Gate and up run as one matrix of 2 BN1 rows (see :func:`_decode_kernel`);
     every row is valid (the fused launch's row tiles divide the matrix). The ring's first
-    RING steps (pa, sa ...) come from :func:`_ring_start`."""
+    RING steps (pa, sa ...) come from :func:`_ring_start`. ``TILED``: see :func:`_load_step`."""
     W: gl.constexpr = num_warps
     MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -679,19 +693,19 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     if RING == 2:
         for k in range(0, nseg, 2):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS, EVICT)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS, EVICT, TILED)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT, TILED)
     else:
         for k in range(0, nseg, 4):
             acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT)
+            pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT, TILED)
             acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS, EVICT)
+            pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS, EVICT, TILED)
             acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS, EVICT)
+            pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS, EVICT, TILED)
             acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
-            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS, EVICT)
+            pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS, EVICT, TILED)
     return acc
 
 
@@ -721,7 +735,7 @@ def _mma_layout(W):
 @gluon.jit
 def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, stride_se,
                  stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                 ACC_SCALE: gl.constexpr = False):
+                 ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False, KST=0):
     """This program's BN rows of expert e's matrix at w_ptr / s_ptr, from its K slice
     (NSEG steps of slice sp): ``(offs_n, nmask, first weight bytes, first scale bytes,
     MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``, [BN] each, in the accumulator's row
@@ -730,26 +744,35 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
     offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
     nmask = offs_n < n_rows
     w, s, smax = _rows_at(w_ptr, s_ptr, e, offs_n, nmask, sp, NSEG, stride_we, stride_wn,
-                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE)
+                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE, TILED, KST)
     return offs_n, nmask, w, s, smax
 
 
 @gluon.jit
 def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, stride_se, stride_sn,
              IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-             ACC_SCALE: gl.constexpr = False):
+             ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False, KST=0):
     """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
     matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
-    bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``."""
+    bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``. ``TILED``: the matrix in
+    :func:`pack_tile_major`'s layout, KST K-steps a row."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
-    w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
-    s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
+    if TILED:       # [16-row group][K-step][16 rows][64 bytes], scales [..][16 rows][NSC]
+        r64 = rows.to(gl.int64)
+        w = (w_ptr + e64 * stride_we + (r64 // 16) * (KST * 16 * SEG_BYTES)
+             + (r64 % 16) * SEG_BYTES + sp * NSEG * 16 * SEG_BYTES)
+        s = (s_ptr + e64 * stride_se + (r64 // 16) * (KST * 16 * NSC) + (r64 % 16) * NSC
+             + sp * NSEG * 16 * NSC)
+    else:
+        w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
+        s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
     if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
-        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps), COLL)
+        smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps,
+                                           16 * NSC if TILED else 0), COLL)
     return w, s, smax
 
 
@@ -916,7 +939,8 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   swiglu_limit, IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
-                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr):
+                  ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
+                  TILED: gl.constexpr = False):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
     slice, the SwiGLU into act[p], and pair p's count released."""
@@ -938,12 +962,12 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
             own = pn * BN1 + r % BN1
             w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
                                    nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                                   IS_NV, 2 * BN1, num_warps)
+                                   IS_NV, 2 * BN1, num_warps, False, TILED, nseg1 * SPLIT1)
             pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
-                                                          num_warps, EVICT)
+                                                          num_warps, EVICT, TILED)
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
-                               nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT)
+                               nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT, TILED)
             _stamp(stamps_ptr, tile, 3, num_warps)
             acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
             # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
@@ -997,7 +1021,8 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                IS_NV: gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr,
                STAGES: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
                ASM: gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr,
-               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr):
+               REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr,
+               TILED: gl.constexpr = False):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
     ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
     the last tile of its rows sums them over the pairs into out."""
@@ -1013,10 +1038,10 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         col = m == t
         _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
                                             stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
-                                            num_warps, ACC_SCALE)
+                                            num_warps, ACC_SCALE, TILED, nseg2 * SPLIT2)
         if REGS and EARLY:    # the ring's first weight bytes requested before the wait
             pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
-                                                         num_warps, EVICT)
+                                                         num_warps, EVICT, TILED)
         if PREFETCH:
             _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
         _wait_count(ctr_ptr + 1 + p, n_tiles1)
@@ -1028,9 +1053,9 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         if REGS:
             if not EARLY:
                 pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
-                                                             num_warps, EVICT)
+                                                             num_warps, EVICT, TILED)
             acc = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask, nseg2,
-                               IS_NV, BN2, REGS, num_warps, EVICT)
+                               IS_NV, BN2, REGS, num_warps, EVICT, TILED)
         else:
             acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                   IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
@@ -1064,7 +1089,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True):
+                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1090,7 +1115,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`."""
+    ``EVICT`` (REGS): see :func:`fused_moe`. ``TILED`` (REGS): the weights and scales in
+    :func:`pack_tile_major`'s layout."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -1116,13 +1142,13 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
                       stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT)
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT, TILED)
     else:
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
                    nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
                    stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
-                   ACC_SCALE, REGS, EVICT, EARLY)
+                   ACC_SCALE, REGS, EVICT, EARLY, TILED)
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1148,7 +1174,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True):
+              EVICT=False, EARLY=True, TILED=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1171,6 +1197,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     lines out (a dirty line pushed out is a write to HBM); None: on wherever REGS is.
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
+    ``TILED`` (the fused launch with REGS only): w13, w2 and their scales are in
+    :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1183,6 +1211,10 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS and ACC_SCALE:
         raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
                          "per scale block; REGS reads x as the token's row)")
+    if TILED and (not FUSED or T > int(BM) or REGS == 0):
+        raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
+                         f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "
+                         f"FUSED={FUSED!r}, T={T}, REGS={REGS!r}")
     if EVICT and REGS == 0:
         raise ValueError("moe_mma2: EVICT applies to REGS's loads (cp.async takes no L2 policy "
                          "here); give REGS 2 or 4, or None where it resolves to them")
@@ -1198,6 +1230,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
                          "newer (cvt.f16x2.e5m2x2) and CVT8 not False")
     if REGS is None:      # the register ring where its decode runs, else shared memory
         REGS = 4 if cvt8_ok and not ACC_SCALE else 0
+    if TILED and not REGS:
+        raise ValueError("moe_mma2: TILED weights are read by the register ring only, and REGS "
+                         "resolved to 0 here (the GPU does not convert fp8, or ACC_SCALE is on)")
     if REGS and not cvt8_ok:
         raise ValueError("moe_mma2: REGS decodes with CVT8_WORD_ASM, which needs sm_89 or newer "
                          "(cvt.f16x2.e5m2x2) and CVT8 not False")
@@ -1248,7 +1283,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), bool(TILED))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1288,7 +1323,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True):
+                  evict=False, early=True, tiled=False):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1316,10 +1351,34 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, SPLIT1=split1, SPLIT2=split2,
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
-        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early,
+        ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, TILED=tiled,
         launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
+
+
+def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4"):
+    """Packed FP4 weights [E, N, K / 2] and their block scales [E, N, K / block] (the canonical
+    layout) -> the same tensors (shapes, dtypes) laid out for the fused decode's register ring
+    (``TILED``): per expert, per group of 16 rows, per K-step of 128 elements, the 16 rows'
+    64 bytes one after the other (and their scales alike, 4 or 8 a row a step): a warp's
+    load of a K-step then reads 512 contiguous bytes instead of 64 from each of 8 rows. Done
+    once, when the weights are loaded (a copy of them)."""
+    GS = 16 if fmt == "nvfp4" else 32
+    if w.dim() != 3 or scale.dim() != 3 or w.dtype != torch.uint8:
+        raise ValueError(f"pack_tile_major: w must be uint8 [E, N, K/2] and scale [E, N, K/{GS}], "
+                         f"got {w.dtype} {tuple(w.shape)} and {tuple(scale.shape)}")
+    E, N, half_k = w.shape
+    if N % 16 or half_k % 64 or tuple(scale.shape) != (E, N, 2 * half_k // GS):
+        raise ValueError(f"pack_tile_major: rows N ({N}) must be a multiple of 16 and K ({2 * half_k}) "
+                         f"of 128, scale [E, N, K/{GS}] = {(E, N, 2 * half_k // GS)}, got "
+                         f"{tuple(scale.shape)}")
+    kst = half_k // 64
+
+    def tiles(t, per_step):
+        return (t.reshape(E, N // 16, 16, kst, per_step).permute(0, 1, 3, 2, 4).contiguous()
+                .reshape(E, N, kst * per_step))
+    return tiles(w, 64), tiles(scale, 128 // GS)
 
 
 def timeline() -> tuple[torch.Tensor, int]:

@@ -318,7 +318,30 @@ CANDIDATES = [
     # its own K slice (one count a pair's slice). Printout at 95a1527, MXFP4 / NVFP4: the entry
     # 43.8 / 46.8 us; SPLIT2 2 51.1 / 55.7 (BN2 32), 44.3 / 54.4 (BN2 64); SPLIT2 4 54.0 /
     # 63.6 (BN2 32), 53.6 / 57.0 (BN2 64)
+    # round 21 (session 16): TILED, the weights packed so that a K-step of 16 rows is 1 KB
+    # contiguous (moe_mma2.pack_tile_major); a read-only probe of that layout read both phases'
+    # rows in 28.5 us against 33.2 (scripts/probe_weight_reads.py, printout at 8703cfc).
+    # Against the entry:
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED=True, EARLY=False),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED=True),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED=True),
 ]
+
+
+def tiled_experts(ex: dict, fmt: str) -> dict:
+    """``ex`` with its weights in moe_mma2.pack_tile_major's layout (packed once, kept)."""
+    if "tiled" not in ex:
+        from dsv4lab.kernels import moe_mma2
+        w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt)
+        w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt)
+        ex["tiled"] = dict(ex, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    return ex["tiled"]
 
 
 def short(cfg: dict) -> str:
@@ -405,6 +428,9 @@ def main() -> int:
             for T in tokens:
                 c = cases[T]
                 row = dict(cand=ci, cfg=short(cfg), config=cfg, fmt=fmt, T=T, experts_hit=c["hit"])
+
+                if (cfg.get("MMA2") or {}).get("TILED"):    # weights packed once, as at load
+                    ex = tiled_experts(ex, fmt)
 
                 def run(ex=ex, fmt=fmt, c=c, cfg=cfg):
                     return kmoe.fused_moe(c["x"], ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],

@@ -976,6 +976,32 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
         with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
+        with pytest.raises(ValueError, match="TILED weights are read by the fused launch's"):
+            moe_mma2.fused_moe(*args, fmt="mxfp4", TILED=True)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mma2_pack_tile_major_layout(fmt):
+    # moe_mma2.pack_tile_major: row n's K-step k (64 packed bytes, 128 / block scales) lands at
+    # [group n // 16][k][n % 16] of its expert; same shapes and dtypes; bad shapes refused
+    from dsv4lab.kernels import moe_mma2
+    E, N, K = 2, 64, 384
+    ex = make_experts(E, K, N // 2, fmt, seed=4)         # w13: [E, N, K / 2]
+    w, s = ex["w13"], ex["w13_scale"]
+    wt, st_ = moe_mma2.pack_tile_major(w, s, fmt)
+    assert (wt.shape, wt.dtype, st_.shape, st_.dtype) == (w.shape, w.dtype, s.shape, s.dtype)
+    nsc, kst = s.shape[2] // (K // 128), K // 128
+    flat_w, flat_s = wt.reshape(E, -1), st_.view(torch.uint8).reshape(E, -1)
+    s8 = s.view(torch.uint8)
+    for n in (0, 5, 15, 16, 47, 63):
+        for k in range(kst):
+            at = ((n // 16) * kst + k) * 16 + n % 16
+            assert torch.equal(flat_w[:, 64 * at:64 * at + 64], w[:, n, 64 * k:64 * k + 64])
+            assert torch.equal(flat_s[:, nsc * at:nsc * at + nsc], s8[:, n, nsc * k:nsc * k + nsc])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        moe_mma2.pack_tile_major(w[:, :24], s[:, :24], fmt)
+    with pytest.raises(ValueError, match="w must be uint8"):
+        moe_mma2.pack_tile_major(w.float(), s, fmt)
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -1102,6 +1128,39 @@ def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, rout
     if "REGS" in launch and T <= 8 and torch.cuda.get_device_capability() >= (8, 9):
         # an L2 policy changes no bits
         assert torch.equal(run(EVICT=not launch.get("EVICT", False)), out)
+
+
+@gpu
+@pytest.mark.gpu
+@settings(max_examples=16, deadline=None)
+@given(T=st.integers(1, 8),
+       launch=st.sampled_from([dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
+                                    PREFETCH=False),
+                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2),
+                               dict(BN1=8, BN2=16, SPLIT1=2, num_warps=1, REGS=4),
+                               dict(BN1=64, BN2=64, SPLIT1=2, num_warps=4, REGS=4, EARLY=False)]),
+       **_MMA2_DRAWS)
+def test_gpu_mma2_tiled_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
+    # TILED (the fused decode's register ring reading weights packed by pack_tile_major) against
+    # the fp32 reference, one token to 8, both formats, -1 slots, every token on one expert,
+    # with and without the clamp, ring 2 and 4 deep, split K, gate/up rows of two 16-row groups:
+    # the same bits as the canonical layout (only the addresses change)
+    from dsv4lab.kernels import moe_mma2
+    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
+    w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt)
+    w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt)
+
+    def run(w13, s13, w2, s2, **change):
+        return moe_mma2.fused_moe(x, w13, s13, w2, s2, ids, w, fmt=fmt, swiglu_limit=limit,
+                                  FUSED=True, **kw, **dict(launch, **change))
+    if torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
+            run(w13, s13, w2, s2, TILED=True)
+        return
+    out = run(w13, s13, w2, s2, TILED=True)
+    assert out.shape == (T, H) and out.dtype == x.dtype
+    assert_close(out, ref, torch.bfloat16)
+    assert torch.equal(out, run(ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"]))
 
 
 @gpu
