@@ -572,11 +572,11 @@ def _load_step(w_rows, s_rows, k, cw, t4, si, NSC: gl.constexpr, NS: gl.constexp
     and scale bytes [BN, 4, NS] (the lane's own blocks), straight into registers. Unmasked:
     the fused launch's row tiles divide the matrix, and k is clamped by the caller. ``TILED``:
     the weights in :func:`pack_tile_major`'s layout (a step's 16 rows x 64 bytes contiguous:
-    the next step of a row lies 1024 bytes on, its scales 16 NSC bytes on)."""
+    the next step of a row lies 1024 bytes on), and (TILED 2) their scales (16 NSC bytes on)."""
     CACHE: gl.constexpr = _load_hints(EVICT)[0]
     POLICY: gl.constexpr = _load_hints(EVICT)[1]
     WSTEP: gl.constexpr = 16 * SEG_BYTES // 4 if TILED else SEG_BYTES // 4
-    SSTEP: gl.constexpr = 16 * NSC if TILED else NSC
+    SSTEP: gl.constexpr = 16 * NSC if TILED == 2 else NSC
     p = gl.load(w_rows[:, None] + (k * WSTEP + cw)[None, :], cache_modifier=CACHE,
                 eviction_policy=POLICY)
     sb = gl.load(s_rows[:, None, None] + k * SSTEP + t4[None, :, None] * NS + si[None, None, :],
@@ -755,7 +755,7 @@ def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, strid
     """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
     matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
     bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``. ``TILED``: the matrix in
-    :func:`pack_tile_major`'s layout, KST K-steps a row."""
+    :func:`pack_tile_major`'s layout, KST K-steps a row (1: its weights; 2: its scales too)."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
@@ -763,8 +763,11 @@ def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, strid
         r64 = rows.to(gl.int64)
         w = (w_ptr + e64 * stride_we + (r64 // 16) * (KST * 16 * SEG_BYTES)
              + (r64 % 16) * SEG_BYTES + sp * NSEG * 16 * SEG_BYTES)
-        s = (s_ptr + e64 * stride_se + (r64 // 16) * (KST * 16 * NSC) + (r64 % 16) * NSC
-             + sp * NSEG * 16 * NSC)
+        if TILED == 2:
+            s = (s_ptr + e64 * stride_se + (r64 // 16) * (KST * 16 * NSC) + (r64 % 16) * NSC
+                 + sp * NSEG * 16 * NSC)
+        else:
+            s = s_ptr + e64 * stride_se + r64 * stride_sn + sp * NSEG * NSC
     else:
         w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
         s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
@@ -772,7 +775,7 @@ def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, strid
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
         smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps,
-                                           16 * NSC if TILED else 0), COLL)
+                                           16 * NSC if TILED == 2 else 0), COLL)
     return w, s, smax
 
 
@@ -1115,8 +1118,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
     first REGS K-steps before it waits for its activations (otherwise after).
-    ``EVICT`` (REGS): see :func:`fused_moe`. ``TILED`` (REGS): the weights and scales in
-    :func:`pack_tile_major`'s layout."""
+    ``EVICT`` (REGS): see :func:`fused_moe`. ``TILED`` (REGS; 1 the weights, 2 the weights and
+    scales): in :func:`pack_tile_major`'s layout."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -1198,7 +1201,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``EARLY`` (REGS only): a down tile's first ring loads go out before its wait for the
     activations (see :func:`_decode_kernel`).
     ``TILED`` (the fused launch with REGS only): w13, w2 and their scales are in
-    :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one.
+    :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one;
+    ``"weights"``: the weights only (``pack_tile_major(..., scales=False)``).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1211,6 +1215,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS and ACC_SCALE:
         raise ValueError("moe_mma2: REGS and ACC_SCALE do not combine (ACC_SCALE's x rows are "
                          "per scale block; REGS reads x as the token's row)")
+    if TILED not in (False, True, "weights"):
+        raise ValueError(f"moe_mma2: TILED must be False, True or 'weights', got {TILED!r}")
     if TILED and (not FUSED or T > int(BM) or REGS == 0):
         raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
                          f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "
@@ -1283,7 +1289,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
-                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY), bool(TILED))
+                             int(REGS), MAXNREG, bool(EVICT), bool(EARLY),
+                             1 if TILED == "weights" else 2 if TILED else 0)
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1323,7 +1330,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, tiled=False):
+                  evict=False, early=True, tiled=0):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1357,13 +1364,15 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
     return out
 
 
-def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4"):
+def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4", *,
+                    scales: bool = True):
     """Packed FP4 weights [E, N, K / 2] and their block scales [E, N, K / block] (the canonical
     layout) -> the same tensors (shapes, dtypes) laid out for the fused decode's register ring
     (``TILED``): per expert, per group of 16 rows, per K-step of 128 elements, the 16 rows'
     64 bytes one after the other (and their scales alike, 4 or 8 a row a step): a warp's
-    load of a K-step then reads 512 contiguous bytes instead of 64 from each of 8 rows. Done
-    once, when the weights are loaded (a copy of them)."""
+    load of a K-step then reads 512 contiguous bytes instead of 64 from each of 8 rows
+    (``scales=False``: the scales stay as they are, for ``TILED="weights"``). Done once, when
+    the weights are loaded (a copy of them)."""
     GS = 16 if fmt == "nvfp4" else 32
     if w.dim() != 3 or scale.dim() != 3 or w.dtype != torch.uint8:
         raise ValueError(f"pack_tile_major: w must be uint8 [E, N, K/2] and scale [E, N, K/{GS}], "
@@ -1378,7 +1387,7 @@ def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4"):
     def tiles(t, per_step):
         return (t.reshape(E, N // 16, 16, kst, per_step).permute(0, 1, 3, 2, 4).contiguous()
                 .reshape(E, N, kst * per_step))
-    return tiles(w, 64), tiles(scale, 128 // GS)
+    return tiles(w, 64), (tiles(scale, 128 // GS) if scales else scale)
 
 
 def timeline() -> tuple[torch.Tensor, int]:

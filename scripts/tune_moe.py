@@ -321,27 +321,31 @@ CANDIDATES = [
     # round 21 (session 16): TILED, the weights packed so that a K-step of 16 rows is 1 KB
     # contiguous (moe_mma2.pack_tile_major); a read-only probe of that layout read both phases'
     # rows in 28.5 us against 33.2 (scripts/probe_weight_reads.py, printout at 8703cfc).
-    # Against the entry:
+    # Printout at eb71511, MXFP4 / NVFP4: the entry 43.8 / 46.8 us; TILED 43.3 / 42.3, without
+    # EARLY 44.0 / 43.3, split 4 / 2 47.7 / 46.3, BN2 64 48.3 / 54.5. With the scales tiled too,
+    # MXFP4's row maxima read 4 bytes every 64: "weights" keeps them canonical. Against the entry:
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
            TILED=True),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
            TILED=True, EARLY=False),
-    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           TILED=True),
-    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           TILED=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED="weights"),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED="weights", EARLY=False),
 ]
 
 
-def tiled_experts(ex: dict, fmt: str) -> dict:
-    """``ex`` with its weights in moe_mma2.pack_tile_major's layout (packed once, kept)."""
+def tiled_experts(ex: dict, fmt: str, tiled) -> dict:
+    """``ex`` with its weights (``tiled`` "weights") or its weights and scales (True) in
+    moe_mma2.pack_tile_major's layout (packed once, kept)."""
     if "tiled" not in ex:
         from dsv4lab.kernels import moe_mma2
-        w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt)
-        w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt)
-        ex["tiled"] = dict(ex, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
-    return ex["tiled"]
+        for key, scales in (("tiled", True), ("tiled_w", False)):
+            w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt, scales=scales)
+            w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt, scales=scales)
+            ex[key] = dict(ex, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    return ex["tiled"] if tiled is True else ex["tiled_w"]
 
 
 def short(cfg: dict) -> str:
@@ -430,7 +434,7 @@ def main() -> int:
                 row = dict(cand=ci, cfg=short(cfg), config=cfg, fmt=fmt, T=T, experts_hit=c["hit"])
 
                 if (cfg.get("MMA2") or {}).get("TILED"):    # weights packed once, as at load
-                    ex = tiled_experts(ex, fmt)
+                    ex = tiled_experts(ex, fmt, cfg["MMA2"]["TILED"])
 
                 def run(ex=ex, fmt=fmt, c=c, cfg=cfg):
                     return kmoe.fused_moe(c["x"], ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],

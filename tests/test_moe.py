@@ -824,7 +824,15 @@ def test_gpu_bench_variants(fmt, T):
              dict(P, BK1=128, BK2=128, SPLIT1=2, XPRE=True, SWAP_AB=True, ROWMAX=True,
                   FASTDEC=True),
              {}]                                  # the promoted default of this T and format
+    from dsv4lab.benchmarks.moe import tiled_experts
     for cfg in [c for _, c in VARIANTS] + extra:
+        tiled = (cfg.get("MMA2") or {}).get("TILED")
+        if tiled and T <= cfg["MMA2"]["MAX_T"]:       # the packed weights the variant reads
+            tx = tiled_experts(dict(ex), fmt, scales=tiled is True)
+            out = kmoe.fused_moe(x, tx["w13"], tx["w13_scale"], tx["w2"], tx["w2_scale"], ids, w,
+                                 fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
+            assert_close(out, ref, torch.bfloat16)
+            continue
         assert_close(run(cfg), ref, torch.bfloat16)
     # the last variant and the FOLD ones (their counters are zeroed inside the graph) captured
     # once and replayed on new routing, twice (a stale counter would show on the second)
@@ -978,6 +986,8 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
         with pytest.raises(ValueError, match="TILED weights are read by the fused launch's"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", TILED=True)
+        with pytest.raises(ValueError, match="TILED must be False, True or 'weights'"):
+            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, TILED="scales")
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -1002,6 +1012,7 @@ def test_mma2_pack_tile_major_layout(fmt):
         moe_mma2.pack_tile_major(w[:, :24], s[:, :24], fmt)
     with pytest.raises(ValueError, match="w must be uint8"):
         moe_mma2.pack_tile_major(w.float(), s, fmt)
+    assert moe_mma2.pack_tile_major(w, s, fmt, scales=False)[1] is s
 
 
 @pytest.mark.parametrize("H", [128, 384])
@@ -1161,6 +1172,8 @@ def test_gpu_mma2_tiled_matches_reference(T, E, k, H, I, fmt, limit, routing, la
     assert out.shape == (T, H) and out.dtype == x.dtype
     assert_close(out, ref, torch.bfloat16)
     assert torch.equal(out, run(ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"]))
+    # the weights packed, the scales as they were
+    assert torch.equal(out, run(w13, ex["w13_scale"], w2, ex["w2_scale"], TILED="weights"))
 
 
 @gpu

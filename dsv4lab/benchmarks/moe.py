@@ -168,6 +168,10 @@ VARIANTS = [
     # Session 12: the T = 1 entry before its loads took an L2 evict-first policy (EVICT), with
     # the waiting down tiles' L2 prefetch as MXFP4 had it, for the A/B
     ("mma2_noevict_t1", dict(PLAIN, MMA2=dict(_MMA2_T1_REGS))),
+    # Session 16: the T = 1 entry reading weights packed once so that a 16-row K-step is 1 KB
+    # contiguous (moe_mma2.pack_tile_major; TILED): weights and scales, or the weights only
+    ("mma2_tiled_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, TILED=True))),
+    ("mma2_tiled_w_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, TILED="weights"))),
     # the T = 1 entry with a down tile's first ring loads issued after its wait for the
     # activations (EARLY off), as before session 12
     ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False))),
@@ -184,7 +188,20 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
                 "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
                 "mma2_smem_t1": (1,), "mma2_noevict_t1": (1,), "mma2_late_ring_t1": (1,),
+                "mma2_tiled_t1": (1,), "mma2_tiled_w_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
+
+
+def tiled_experts(ex: dict, fmt: str, *, scales: bool) -> dict:
+    """``ex`` with its weights (and ``scales``: their scales) in moe_mma2.pack_tile_major's
+    layout, for the TILED variants (packed once a call of the benchmark, kept in ``ex``)."""
+    key = "tiled" if scales else "tiled_w"
+    if key not in ex:
+        from dsv4lab.kernels import moe_mma2
+        w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt, scales=scales)
+        w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt, scales=scales)
+        ex[key] = dict(ex, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    return ex[key]
 
 
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
@@ -222,6 +239,10 @@ def bench_moe(smoke: bool) -> list[dict]:
                     continue
                 if T not in VARIANT_ONLY.get(name, VARIANT_TOKENS):
                     continue
+                tiled = (cfg.get("MMA2") or {}).get("TILED")
+                if tiled:                 # packed once, as a model would at load
+                    ex = tiled_experts(ex, fmt, scales=tiled is True)
+
                 def run_variant(ex=ex, fmt=fmt, cfg=cfg):
                     return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                                      fmt=fmt, swiglu_limit=SWIGLU_LIMIT, backend="triton",
