@@ -175,6 +175,19 @@ left: the default takes 43.2 us after a clean L2 against 44.4 after the dirty fl
 runs each, ``DSV4LAB_L2=clean|dirty python3 scripts/tune_moe.py --tokens 1 --only 123,149``,
 printouts at 32a2fde; without EVICT 42.8-43.1 / 47.6-47.7).
 
+Weights packed for the register ring (``TILED``, session 16; :func:`pack_tile_major`, done once
+when the weights are loaded, a copy in a second layout): per expert, per 16-row group, per
+K-step, the 16 rows' 64 bytes one after the other, so that a warp's load of a K-step reads 512
+contiguous bytes instead of 64 bytes from each of 8 rows; ``TILED=True`` packs the scales alike,
+``"weights"`` leaves them canonical (MXFP4's row maxima then still read them contiguously).
+Only the addresses change: the same bits (GPU test). A read-only probe of the layout had read
+both phases' rows in 28.5 us against 33.2 (scripts/probe_weight_reads.py, printout at 8703cfc);
+in the MoE (`dsv4lab bench moe` rows at d5a2e02): MXFP4 44.1 us (0.429) and 44.0 weights-only
+against 44.8 for the default in the same run, NVFP4 43.0 (0.465) and 45.1 against 46.9. So the
+read pattern is worth ~1 us to MXFP4 and ~4 us to NVFP4 (its 8 scale bytes a row a step come
+contiguous too), not the probe's 5 us: the rest of T = 1's time is not its reads' pattern. The
+op layer (``ops.fused_moe``) takes the canonical layout, so the table's entry does not use it.
+
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import os
@@ -1372,7 +1385,7 @@ def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4", *,
     64 bytes one after the other (and their scales alike, 4 or 8 a row a step): a warp's
     load of a K-step then reads 512 contiguous bytes instead of 64 from each of 8 rows
     (``scales=False``: the scales stay as they are, for ``TILED="weights"``). Done once, when
-    the weights are loaded (a copy of them)."""
+    the weights are loaded (a copy of them). Explained in notebooks/04_mxfp4_moe_port.ipynb."""
     GS = 16 if fmt == "nvfp4" else 32
     if w.dim() != 3 or scale.dim() != 3 or w.dtype != torch.uint8:
         raise ValueError(f"pack_tile_major: w must be uint8 [E, N, K/2] and scale [E, N, K/{GS}], "

@@ -31,6 +31,11 @@ step, ``.cg`` 29.0 / 38.8, contiguous 23.6 / 33.5, pieces 2 apart 21.9 / 31.1, p
 asks for a row's whole 128-byte line (pieces 2 apart: half of each sector, the other half a
 step later) reads faster than one that asks for half of it (64 contiguous bytes); spread over
 two lines it is slower. The reason for moe_mma2's ``LINES`` K order.
+
+H200 printouts at 8703cfc (session 16, two runs): the tile-major layout (a tile's K-step, 64
+rows x 64 bytes, contiguous) 19.6 / 28.5 and 19.7 / 28.6 us against 23.4 / 33.2 and 23.6 / 33.5
+for the rows layout, 20.0 / 29.0 for 256 B a step; stream_read 20.7 / 21.0. The reason for
+moe_mma2's ``TILED`` (pack_tile_major), which gained less in the MoE itself.
 """
 from __future__ import annotations
 

@@ -323,7 +323,11 @@ CANDIDATES = [
     # rows in 28.5 us against 33.2 (scripts/probe_weight_reads.py, printout at 8703cfc).
     # Printout at eb71511, MXFP4 / NVFP4: the entry 43.8 / 46.8 us; TILED 43.3 / 42.3, without
     # EARLY 44.0 / 43.3, split 4 / 2 47.7 / 46.3, BN2 64 48.3 / 54.5. With the scales tiled too,
-    # MXFP4's row maxima read 4 bytes every 64: "weights" keeps them canonical. Against the entry:
+    # MXFP4's row maxima read 4 bytes every 64: "weights" keeps them canonical. Printout at
+    # d5a2e02: the entry 44.1 / 46.5; TILED 43.5 / 42.5, without EARLY 44.1 / 43.4; "weights"
+    # 43.6 / 45.0, without EARLY 44.0 / 45.4 (`dsv4lab bench moe` rows at d5a2e02: variants
+    # mma2_tiled_t1 44.1 / 43.0, mma2_tiled_w_t1 44.0 / 45.1, the default 44.8 / 46.9). Against
+    # the entry:
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
            TILED=True),
