@@ -28,7 +28,8 @@ import dsv4lab  # noqa: E402,F401  (sets TRITON_INTERPRET before triton is impor
 import torch  # noqa: E402
 
 from dsv4lab import bench, runtime  # noqa: E402
-from dsv4lab.benchmarks.moe import FLASH, _quantised_experts, _random_experts, fp4_bytes  # noqa: E402
+from dsv4lab.benchmarks.moe import (FLASH, _quantised_experts, _random_experts, fp4_bytes,  # noqa: E402
+                                    tiled_experts)
 from dsv4lab.kernels import moe as kmoe  # noqa: E402
 from dsv4lab.ops import fused_moe, route  # noqa: E402
 
@@ -340,18 +341,6 @@ CANDIDATES = [
 ]
 
 
-def tiled_experts(ex: dict, fmt: str, tiled) -> dict:
-    """``ex`` with its weights (``tiled`` "weights") or its weights and scales (True) in
-    moe_mma2.pack_tile_major's layout (packed once, kept)."""
-    if "tiled" not in ex:
-        from dsv4lab.kernels import moe_mma2
-        for key, scales in (("tiled", True), ("tiled_w", False)):
-            w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt, scales=scales)
-            w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt, scales=scales)
-            ex[key] = dict(ex, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
-    return ex["tiled"] if tiled is True else ex["tiled_w"]
-
-
 def short(cfg: dict) -> str:
     d = dict(cfg)
     kind = ("swapAB" if d.pop("SWAP_AB", False) else "dot") if d.pop("USE_DOT") else "fma"
@@ -438,7 +427,7 @@ def main() -> int:
                 row = dict(cand=ci, cfg=short(cfg), config=cfg, fmt=fmt, T=T, experts_hit=c["hit"])
 
                 if (cfg.get("MMA2") or {}).get("TILED"):    # weights packed once, as at load
-                    ex = tiled_experts(ex, fmt, cfg["MMA2"]["TILED"])
+                    ex = tiled_experts(ex, fmt, scales=cfg["MMA2"]["TILED"] is True)
 
                 def run(ex=ex, fmt=fmt, c=c, cfg=cfg):
                     return kmoe.fused_moe(c["x"], ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
