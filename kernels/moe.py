@@ -132,6 +132,19 @@ from dsv4lab.kernels.moe_align import (_align_body, align_buffers, align_kernel_
 X_PRESCALE = 2.0 ** -8      # x and activations enter the fp16 dot scaled by this
 W_OFFSET = 2.0 ** -14       # the fp16 bit trick yields value * 2**-14
 UNDO = 2.0 ** 22            # 1 / (X_PRESCALE * W_OFFSET): the NVFP4 epilogue factor
+# set on the tensors moe_mma2.pack_tile_major returns: its layout has the canonical one's
+# shapes and dtypes, so the mark is how a kernel that reads one layout refuses the other
+TILE_MAJOR_MARK = "_dsv4lab_tile_major"
+
+
+def check_canonical(where: str, **tensors) -> None:
+    """Raise if any of ``tensors`` is in moe_mma2.pack_tile_major's layout: ``where`` reads the
+    canonical one (a silent wrong answer otherwise)."""
+    for name, t in tensors.items():
+        if getattr(t, TILE_MAJOR_MARK, False):
+            raise ValueError(f"{where}: {name} is in moe_mma2.pack_tile_major's layout, and this "
+                             f"path reads the canonical one (only moe_mma2's fused T <= 8 launch "
+                             f"with TILED reads the packed layout)")
 
 
 @triton.jit
@@ -1167,6 +1180,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
                 return moe_mma2.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                           fmt=fmt, w13_global=w13_global, w2_global=w2_global,
                                           swiglu_limit=swiglu_limit, **launch)
+    check_canonical("moe.fused_moe (the Triton kernels)", w13=w13, w13_scale=w13_scale, w2=w2,
+                    w2_scale=w2_scale)
     BM, use_dot = int(cfg["BM"]), bool(cfg["USE_DOT"])
     if use_dot and BM < 16:
         raise ValueError(f"config: USE_DOT needs BM >= 16 (tl.dot's smallest M), got BM={BM}")

@@ -1230,6 +1230,14 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
                          "per scale block; REGS reads x as the token's row)")
     if TILED not in (False, True, "weights"):
         raise ValueError(f"moe_mma2: TILED must be False, True or 'weights', got {TILED!r}")
+    # the layouts the call reads against the ones pack_tile_major marked (same shapes otherwise)
+    for name, t, packed in (("w13", w13, bool(TILED)), ("w2", w2, bool(TILED)),
+                            ("w13_scale", w13_scale, TILED is True),
+                            ("w2_scale", w2_scale, TILED is True)):
+        if bool(getattr(t, base.TILE_MAJOR_MARK, False)) != packed:
+            raise ValueError(f"moe_mma2: TILED={TILED!r} reads {name} in the "
+                             f"{'packed' if packed else 'canonical'} layout, and it is in the "
+                             f"{'canonical' if packed else 'packed'} one (pack_tile_major)")
     if TILED and (not FUSED or T > int(BM) or REGS == 0):
         raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
                          f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "
@@ -1386,6 +1394,7 @@ def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4", *,
     load of a K-step then reads 512 contiguous bytes instead of 64 from each of 8 rows
     (``scales=False``: the scales stay as they are, for ``TILED="weights"``). Done once, when
     the weights are loaded (a copy of them). Explained in notebooks/04_mxfp4_moe_port.ipynb."""
+    from dsv4lab.kernels import moe as base
     GS = 16 if fmt == "nvfp4" else 32
     if w.dim() != 3 or scale.dim() != 3 or w.dtype != torch.uint8:
         raise ValueError(f"pack_tile_major: w must be uint8 [E, N, K/2] and scale [E, N, K/{GS}], "
@@ -1398,8 +1407,10 @@ def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4", *,
     kst = half_k // 64
 
     def tiles(t, per_step):
-        return (t.reshape(E, N // 16, 16, kst, per_step).permute(0, 1, 3, 2, 4).contiguous()
-                .reshape(E, N, kst * per_step))
+        t = (t.reshape(E, N // 16, 16, kst, per_step).permute(0, 1, 3, 2, 4).contiguous()
+             .reshape(E, N, kst * per_step))
+        setattr(t, base.TILE_MAJOR_MARK, True)   # what the kernels check the call against
+        return t
     return tiles(w, 64), (tiles(scale, 128 // GS) if scales else scale)
 
 

@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.device import interpreting, sm_count
-from dsv4lab.kernels.moe import _moe_combine_kernel, _swiglu
+from dsv4lab.kernels.moe import _moe_combine_kernel, _swiglu, check_canonical
 from dsv4lab.kernels.moe_align import block_rows, moe_align
 
 # e2m1 x bf16 dot_scaled: Triton's decomposition (upcast + mma) needs an mma-capable GPU.
@@ -342,6 +342,8 @@ def fused_moe_scaled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *,
         return out.zero_()
     interp = interpreting()
     dot_fmt = "fp16" if interp else "bf16"
+    check_canonical("moe_scaled.fused_moe_scaled", w13=w13, w13_scale=w13_scale, w2=w2,
+                    w2_scale=w2_scale)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()

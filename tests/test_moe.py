@@ -984,10 +984,12 @@ def test_mma2_selection_and_fallback():
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
         with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
-        with pytest.raises(ValueError, match="TILED weights are read by the fused launch's"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", TILED=True)
         with pytest.raises(ValueError, match="TILED must be False, True or 'weights'"):
             moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, TILED="scales")
+        packed = moe_mma2.pack_tile_major(args[1], args[2]) + moe_mma2.pack_tile_major(args[3],
+                                                                                      args[4])
+        with pytest.raises(ValueError, match="TILED weights are read by the fused launch's"):
+            moe_mma2.fused_moe(x, *packed, *args[5:], fmt="mxfp4", TILED=True)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
@@ -995,7 +997,7 @@ def test_mma2_pack_tile_major_layout(fmt):
     # moe_mma2.pack_tile_major: row n's K-step k (64 packed bytes, 128 / block scales) lands at
     # [group n // 16][k][n % 16] of its expert; same shapes and dtypes; bad shapes refused
     from dsv4lab.kernels import moe_mma2
-    E, N, K = 2, 64, 384
+    E, N, K = 2, 256, 384
     ex = make_experts(E, K, N // 2, fmt, seed=4)         # w13: [E, N, K / 2]
     w, s = ex["w13"], ex["w13_scale"]
     wt, st_ = moe_mma2.pack_tile_major(w, s, fmt)
@@ -1013,6 +1015,24 @@ def test_mma2_pack_tile_major_layout(fmt):
     with pytest.raises(ValueError, match="w must be uint8"):
         moe_mma2.pack_tile_major(w.float(), s, fmt)
     assert moe_mma2.pack_tile_major(w, s, fmt, scales=False)[1] is s
+    # the packed tensors are marked, and what reads the canonical layout refuses them
+    assert getattr(wt, "_dsv4lab_tile_major") and getattr(st_, "_dsv4lab_tile_major")
+    assert not hasattr(w, "_dsv4lab_tile_major")
+    x = torch.randn(1, K)
+    ids, tw = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
+    w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt)
+    packed = (x, wt, st_, w2, s2, ids, tw)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="w13 is in moe_mma2.pack_tile_major's layout"):
+            fused_moe(*packed, fmt=fmt, backend=backend, **ex["kw"])
+    # moe_mma2 checks the call's TILED against the marks, before anything else
+    canonical = (x, w, s, ex["w2"], ex["w2_scale"], ids, tw)
+    with pytest.raises(ValueError, match="TILED=False reads w13 in the canonical layout"):
+        moe_mma2.fused_moe(*packed, fmt=fmt, FUSED=True, **ex["kw"])
+    with pytest.raises(ValueError, match="TILED=True reads w13 in the packed layout"):
+        moe_mma2.fused_moe(*canonical, fmt=fmt, FUSED=True, TILED=True, **ex["kw"])
+    with pytest.raises(ValueError, match="TILED='weights' reads w13_scale in the canonical"):
+        moe_mma2.fused_moe(*packed, fmt=fmt, FUSED=True, TILED="weights", **ex["kw"])
 
 
 @pytest.mark.parametrize("H", [128, 384])

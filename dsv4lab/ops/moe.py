@@ -286,6 +286,8 @@ def moe_dense(x, w13, w2, topk_ids, topk_weights, *, swiglu_limit=None, compute_
 def _fused_moe_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
                      w13_global, w2_global, swiglu_limit):
     """Dequantise the experts hit to fp32 and matmul (the reference)."""
+    from dsv4lab.kernels.moe import check_canonical
+    check_canonical("fused_moe (torch)", w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
     T, k = topk_ids.shape
     E = w13.shape[0]
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
