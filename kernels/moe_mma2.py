@@ -1399,6 +1399,9 @@ def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4", *,
     if w.dim() != 3 or scale.dim() != 3 or w.dtype != torch.uint8:
         raise ValueError(f"pack_tile_major: w must be uint8 [E, N, K/2] and scale [E, N, K/{GS}], "
                          f"got {w.dtype} {tuple(w.shape)} and {tuple(scale.shape)}")
+    if any(getattr(t, base.TILE_MAJOR_MARK, False) for t in (w, scale)):
+        raise ValueError("pack_tile_major: w or scale is already in the packed layout (packing "
+                         "it again would scramble it)")
     E, N, half_k = w.shape
     if N % 16 or half_k % 64 or tuple(scale.shape) != (E, N, 2 * half_k // GS):
         raise ValueError(f"pack_tile_major: rows N ({N}) must be a multiple of 16 and K ({2 * half_k}) "

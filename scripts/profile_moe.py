@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
-from dsv4lab.benchmarks.moe import FLASH, VARIANTS, _random_experts, tiled_experts
+from dsv4lab.benchmarks.moe import FLASH, VARIANTS, _random_experts, experts_for
 from dsv4lab.ops import fused_moe, route
 
 
@@ -99,10 +99,7 @@ def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
-    ex = _random_experts(E, H, I, "mxfp4", dev, gen)
-    tiled = ((config or {}).get("MMA2") or {}).get("TILED")
-    if tiled:                           # the packed weights the variant reads
-        ex = tiled_experts(ex, "mxfp4", scales=tiled is True)
+    ex = experts_for(_random_experts(E, H, I, "mxfp4", dev, gen), config, "mxfp4", 1)
     ids, w = route(torch.randn(1, E, device=dev, generator=gen), None, topk=k)
     x = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
     figures = defaultdict(list)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from dsv4lab import bench, runtime  # noqa: E402
 from dsv4lab.benchmarks.moe import (FLASH, _quantised_experts, _random_experts, fp4_bytes,  # noqa: E402
-                                    tiled_experts)
+                                    experts_for)
 from dsv4lab.kernels import moe as kmoe  # noqa: E402
 from dsv4lab.ops import fused_moe, route  # noqa: E402
 
@@ -426,10 +426,8 @@ def main() -> int:
                 c = cases[T]
                 row = dict(cand=ci, cfg=short(cfg), config=cfg, fmt=fmt, T=T, experts_hit=c["hit"])
 
-                if (cfg.get("MMA2") or {}).get("TILED"):    # weights packed once, as at load
-                    ex = tiled_experts(ex, fmt, scales=cfg["MMA2"]["TILED"] is True)
-
-                def run(ex=ex, fmt=fmt, c=c, cfg=cfg):
+                # TILED: weights packed once, as at load (``ex`` stays canonical)
+                def run(ex=experts_for(ex, cfg, fmt, T), fmt=fmt, c=c, cfg=cfg):
                     return kmoe.fused_moe(c["x"], ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
                                           c["ids"], c["w"], fmt=fmt, swiglu_limit=LIMIT, config=cfg,
                                           **ex["kw"])

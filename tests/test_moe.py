@@ -811,12 +811,13 @@ def test_gpu_bench_variants(fmt, T):
     # FASTDEC, XPRE, BK 128, SPLIT1/SPLIT2, ROWMAX, ...) at Flash's sizes, 32 experts, against
     # the fp32 reference; plus XPRE, SPLIT1 and ROWMAX on the byte decode, the promoted
     # default, and the last variant inside a CUDA graph replayed on new routing
-    from dsv4lab.benchmarks.moe import VARIANTS
+    from dsv4lab.benchmarks.moe import VARIANTS, experts_for
     from dsv4lab.kernels import moe as kmoe
     x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=31 + T)
 
     def run(cfg, ids=ids, w=w):
-        return kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+        ev = experts_for(ex, cfg, fmt, T)          # the packed weights a TILED variant reads
+        return kmoe.fused_moe(x, ev["w13"], ev["w13_scale"], ev["w2"], ev["w2_scale"], ids, w,
                               fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
 
     P = kmoe.PLAIN
@@ -824,15 +825,7 @@ def test_gpu_bench_variants(fmt, T):
              dict(P, BK1=128, BK2=128, SPLIT1=2, XPRE=True, SWAP_AB=True, ROWMAX=True,
                   FASTDEC=True),
              {}]                                  # the promoted default of this T and format
-    from dsv4lab.benchmarks.moe import tiled_experts
     for cfg in [c for _, c in VARIANTS] + extra:
-        tiled = (cfg.get("MMA2") or {}).get("TILED")
-        if tiled and T <= cfg["MMA2"]["MAX_T"]:       # the packed weights the variant reads
-            tx = tiled_experts(dict(ex), fmt, scales=tiled is True)
-            out = kmoe.fused_moe(x, tx["w13"], tx["w13_scale"], tx["w2"], tx["w2_scale"], ids, w,
-                                 fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
-            assert_close(out, ref, torch.bfloat16)
-            continue
         assert_close(run(cfg), ref, torch.bfloat16)
     # the last variant and the FOLD ones (their counters are zeroed inside the graph) captured
     # once and replayed on new routing, twice (a stale counter would show on the second)
@@ -1015,6 +1008,8 @@ def test_mma2_pack_tile_major_layout(fmt):
     with pytest.raises(ValueError, match="w must be uint8"):
         moe_mma2.pack_tile_major(w.float(), s, fmt)
     assert moe_mma2.pack_tile_major(w, s, fmt, scales=False)[1] is s
+    with pytest.raises(ValueError, match="already in the packed layout"):
+        moe_mma2.pack_tile_major(wt, s, fmt, scales=False)
     # the packed tensors are marked, and what reads the canonical layout refuses them
     assert getattr(wt, "_dsv4lab_tile_major") and getattr(st_, "_dsv4lab_tile_major")
     assert not hasattr(w, "_dsv4lab_tile_major")
@@ -1033,6 +1028,27 @@ def test_mma2_pack_tile_major_layout(fmt):
         moe_mma2.fused_moe(*canonical, fmt=fmt, FUSED=True, TILED=True, **ex["kw"])
     with pytest.raises(ValueError, match="TILED='weights' reads w13_scale in the canonical"):
         moe_mma2.fused_moe(*packed, fmt=fmt, FUSED=True, TILED="weights", **ex["kw"])
+
+
+def test_bench_experts_for_packs_once_and_keeps_the_canonical_experts():
+    # the bench's (and tune_moe's, the variants test's) experts for a config: the canonical
+    # dict for every config but a TILED one whose MMA2 entry applies at T; packed once a dict,
+    # weights only or with the scales; the canonical dict is never replaced (a caller that
+    # rebound it packed the packed weights again in the rows at d5a2e02)
+    from dsv4lab.benchmarks.moe import experts_for
+    from dsv4lab.kernels import moe as kmoe
+    ex = make_experts(2, 128, 128, "mxfp4", seed=6)
+    tiled = dict(kmoe.PLAIN, MMA2=dict(FUSED=True, MAX_T=1, TILED=True))
+    weights = dict(kmoe.PLAIN, MMA2=dict(FUSED=True, MAX_T=1, TILED="weights"))
+    assert experts_for(ex, None, "mxfp4", 1) is ex
+    assert experts_for(ex, dict(kmoe.PLAIN), "mxfp4", 1) is ex
+    assert experts_for(ex, tiled, "mxfp4", 2) is ex                  # MMA2 does not apply
+    t = experts_for(ex, tiled, "mxfp4", 1)
+    assert t is experts_for(ex, tiled, "mxfp4", 1)                   # packed once
+    assert all(getattr(t[n], "_dsv4lab_tile_major") for n in ("w13", "w13_scale", "w2", "w2_scale"))
+    tw = experts_for(ex, weights, "mxfp4", 1)
+    assert getattr(tw["w2"], "_dsv4lab_tile_major") and tw["w2_scale"] is ex["w2_scale"]
+    assert not hasattr(ex["w13"], "_dsv4lab_tile_major")
 
 
 @pytest.mark.parametrize("H", [128, 384])

@@ -192,12 +192,18 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_fastdec_t64": (64,)}
 
 
-def tiled_experts(ex: dict, fmt: str, *, scales: bool) -> dict:
-    """``ex`` with its weights (and ``scales``: their scales) in moe_mma2.pack_tile_major's
-    layout, for the TILED variants (packed once a call of the benchmark, kept in ``ex``)."""
-    key = "tiled" if scales else "tiled_w"
+def experts_for(ex: dict, cfg: dict | None, fmt: str, T: int) -> dict:
+    """The experts a kernel config reads at T tokens: ``ex`` (the canonical layout) itself, or,
+    where the config's MMA2 entry applies and asks for ``TILED``, its weights (TILED True: and
+    their scales) in moe_mma2.pack_tile_major's layout, packed once and kept in ``ex``."""
+    mma2 = (cfg or {}).get("MMA2") or {}
+    tiled = mma2.get("TILED")
+    if not tiled or T > mma2.get("MAX_T", T):
+        return ex
+    key = "tiled" if tiled is True else "tiled_w"
     if key not in ex:
         from dsv4lab.kernels import moe_mma2
+        scales = tiled is True
         w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt, scales=scales)
         w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt, scales=scales)
         ex[key] = dict(ex, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
@@ -239,11 +245,9 @@ def bench_moe(smoke: bool) -> list[dict]:
                     continue
                 if T not in VARIANT_ONLY.get(name, VARIANT_TOKENS):
                     continue
-                tiled = (cfg.get("MMA2") or {}).get("TILED")
-                if tiled:                 # packed once, as a model would at load
-                    ex = tiled_experts(ex, fmt, scales=tiled is True)
-
-                def run_variant(ex=ex, fmt=fmt, cfg=cfg):
+                # TILED variants: weights packed once, as a model would at load (``ex`` itself
+                # stays canonical for the rows after)
+                def run_variant(ex=experts_for(ex, cfg, fmt, T), fmt=fmt, cfg=cfg):
                     return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                                      fmt=fmt, swiglu_limit=SWIGLU_LIMIT, backend="triton",
                                      kernel_config=cfg, **ex["kw"])
