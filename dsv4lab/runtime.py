@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from dsv4lab.kernels.device import interpreting   # torch and os only: triton is not imported
+
 _CONFIGURED = False
 
 
@@ -37,8 +39,9 @@ def configure() -> None:
 
 
 def is_interpreter() -> bool:
-    """True when Triton kernels run in the numpy interpreter (no GPU, or forced)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the numpy interpreter (no GPU, or forced): the kernels'
+    own check, :func:`dsv4lab.kernels.device.interpreting`."""
+    return interpreting()
 
 
 def device() -> torch.device:

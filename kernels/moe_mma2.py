@@ -182,8 +182,11 @@ contiguous bytes instead of 64 bytes from each of 8 rows; ``TILED=True`` packs t
 ``"weights"`` leaves them canonical (MXFP4's row maxima then still read them contiguously).
 Only the addresses change: the same bits (GPU test). A read-only probe of the layout had read
 both phases' rows in 28.5 us against 33.2 (scripts/probe_weight_reads.py, printout at 8703cfc);
-in the MoE (`dsv4lab bench moe` rows at d5a2e02): MXFP4 44.1 us (0.429) and 44.0 weights-only
-against 44.8 for the default in the same run, NVFP4 43.0 (0.465) and 45.1 against 46.9. So the
+in the MoE (`dsv4lab bench moe` rows at d5a2e02): MXFP4 44.1 us (0.429) against 44.8 for the
+default in the same run, NVFP4 43.0 (0.465) against 46.9; weights only (tune_moe round 21,
+printout at d5a2e02) 43.6 / 45.0 against 44.1 / 46.5. (That run's rows of mma2_tiled_w_t1 and
+mma2_late_ring_t1 read wrongly packed weights, fixed at 353d6dc: timings of the right
+addresses, not of the right call.) So the
 read pattern is worth ~1 us to MXFP4 and ~4 us to NVFP4 (its 8 scale bytes a row a step come
 contiguous too), not the probe's 5 us: the rest of T = 1's time is not its reads' pattern. The
 op layer (``ops.fused_moe``) takes the canonical layout, so the table's entry does not use it.

@@ -327,7 +327,8 @@ CANDIDATES = [
     # MXFP4's row maxima read 4 bytes every 64: "weights" keeps them canonical. Printout at
     # d5a2e02: the entry 44.1 / 46.5; TILED 43.5 / 42.5, without EARLY 44.1 / 43.4; "weights"
     # 43.6 / 45.0, without EARLY 44.0 / 45.4 (`dsv4lab bench moe` rows at d5a2e02: variants
-    # mma2_tiled_t1 44.1 / 43.0, mma2_tiled_w_t1 44.0 / 45.1, the default 44.8 / 46.9). Against
+    # mma2_tiled_t1 44.1 / 43.0, the default 44.8 / 46.9; that run's mma2_tiled_w_t1 and
+    # mma2_late_ring_t1 rows read weights packed twice, fixed at 353d6dc). Against
     # the entry:
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
