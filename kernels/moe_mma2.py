@@ -191,6 +191,18 @@ read pattern is worth ~1 us to MXFP4 and ~4 us to NVFP4 (its 8 scale bytes a row
 contiguous too), not the probe's 5 us: the rest of T = 1's time is not its reads' pattern. The
 op layer (``ops.fused_moe``) takes the canonical layout, so the table's entry does not use it.
 
+Where the timed figure goes (session 17; ``python3 scripts/profile_moe.py --graph``: the call's
+kernels inside the graph replay the benchmark times, printouts at a working tree of 076ecea,
+medians of 20 replays after the L2 flush). Of the 44.7-45.5 us a replay takes, 3.3-3.9 us pass
+before x's copy starts (for a graph of one small torch kernel: 2.9 us, a floor every graph-timed
+row carries), the copy takes 1.6 us, 0.7 of them under the decode (PDL), and the decode 40.5 us:
+80 MB at 2.0 TB/s. So 0.5 of the roofline (37.8 us) asks ~33.5 us of the decode, 2.4 TB/s. Nor
+is the wait between the phases what holds it: a diagnostic build whose down tiles skip it (wrong
+results, timings only; tune_moe round 22, two printouts at the same tree) took 43.2 against 44.0
+us (MXFP4; NVFP4 45.5 against 46.7; TILED 42.6 / 41.5 against 43.6 / 42.3): ~1 us. Down tiles
+that start at once then share the bandwidth with the gate/up tiles instead of waiting; the bytes
+arrive no faster.
+
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import os
@@ -751,7 +763,7 @@ def _mma_layout(W):
 @gluon.jit
 def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, stride_se,
                  stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                 ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False, KST=0):
+                 ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False):
     """This program's BN rows of expert e's matrix at w_ptr / s_ptr, from its K slice
     (NSEG steps of slice sp): ``(offs_n, nmask, first weight bytes, first scale bytes,
     MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``, [BN] each, in the accumulator's row
@@ -760,27 +772,28 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
     offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
     nmask = offs_n < n_rows
     w, s, smax = _rows_at(w_ptr, s_ptr, e, offs_n, nmask, sp, NSEG, stride_we, stride_wn,
-                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE, TILED, KST)
+                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE, TILED)
     return offs_n, nmask, w, s, smax
 
 
 @gluon.jit
 def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, stride_se, stride_sn,
              IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-             ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False, KST=0):
+             ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False):
     """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
     matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
     bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``. ``TILED``: the matrix in
-    :func:`pack_tile_major`'s layout, KST K-steps a row (1: its weights; 2: its scales too)."""
+    :func:`pack_tile_major`'s layout (1: its weights; 2: its scales too), which keeps the
+    canonical shape, so a 16-row group spans 16 rows' strides."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
     if TILED:       # [16-row group][K-step][16 rows][64 bytes], scales [..][16 rows][NSC]
         r64 = rows.to(gl.int64)
-        w = (w_ptr + e64 * stride_we + (r64 // 16) * (KST * 16 * SEG_BYTES)
+        w = (w_ptr + e64 * stride_we + (r64 // 16) * (16 * stride_wn)
              + (r64 % 16) * SEG_BYTES + sp * NSEG * 16 * SEG_BYTES)
         if TILED == 2:
-            s = (s_ptr + e64 * stride_se + (r64 // 16) * (KST * 16 * NSC) + (r64 % 16) * NSC
+            s = (s_ptr + e64 * stride_se + (r64 // 16) * (16 * stride_sn) + (r64 % 16) * NSC
                  + sp * NSEG * 16 * NSC)
         else:
             s = s_ptr + e64 * stride_se + r64 * stride_sn + sp * NSEG * NSC
@@ -981,7 +994,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
             own = pn * BN1 + r % BN1
             w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
                                    nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                                   IS_NV, 2 * BN1, num_warps, False, TILED, nseg1 * SPLIT1)
+                                   IS_NV, 2 * BN1, num_warps, False, TILED)
             pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
                                                           num_warps, EVICT, TILED)
             _stamp(stamps_ptr, tile, 2, num_warps)
@@ -1057,7 +1070,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         col = m == t
         _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
                                             stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
-                                            num_warps, ACC_SCALE, TILED, nseg2 * SPLIT2)
+                                            num_warps, ACC_SCALE, TILED)
         if REGS and EARLY:    # the ring's first weight bytes requested before the wait
             pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
                                                          num_warps, EVICT, TILED)

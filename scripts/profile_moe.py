@@ -3,6 +3,11 @@
     python scripts/profile_moe.py [--tokens 1 64] [--reps 20]
     python scripts/profile_moe.py --timeline      # inside the T = 1 one-launch decode
     python scripts/profile_moe.py --timeline --variant mma2_acc_scale_t1   # a bench variant's
+    python scripts/profile_moe.py --graph [--variant NAME]   # kernels inside the timed replay
+
+``--graph``: the T = 1 call as ``dsv4lab bench moe`` times it (a CUDA graph replayed after
+the L2 flush), each replay's kernels with their start and end against the replay's events:
+how much of the timed figure is the kernels and how much is launch and the gaps between.
 
 ``--timeline``: the table's T = 1 config (kernels/moe_mma2.py's FUSED launch) with each
 tile's %globaltimer stamps (moe_mma2.TIMELINE_POINTS): when the gate/up and down tiles
@@ -51,11 +56,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--cases", nargs="*", default=None, help="names to profile (default: all)")
     ap.add_argument("--timeline", action="store_true", help="stamps inside the T = 1 fused launch")
+    ap.add_argument("--graph", action="store_true", help="kernels inside the timed T = 1 replay")
     ap.add_argument("--variant", default=None,
-                    help="with --timeline: a fused variant of dsv4lab.benchmarks.moe.VARIANTS "
+                    help="with --timeline or --graph: a fused variant of dsv4lab.benchmarks.moe.VARIANTS "
                          "instead of the table's T = 1 config")
     args = ap.parse_args()
-    if args.timeline:
+    if args.timeline or args.graph:
         cfg = None
         if args.variant is not None:
             fused = {n: c for n, c in VARIANTS if (c.get("MMA2") or {}).get("FUSED")}
@@ -63,7 +69,10 @@ def main() -> None:
                 ap.error(f"--variant: one of the fused variants {list(fused)}, "
                          f"got {args.variant!r}")
             cfg = fused[args.variant]
-        return fused_timeline(config=cfg, label=args.variant or "the table's T = 1 config")
+        label = args.variant or "the table's T = 1 config"
+        if args.graph:
+            return graph_spans(_t1_case(cfg), args.reps, label=label)
+        return fused_timeline(config=cfg, label=label)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
@@ -88,6 +97,69 @@ def main() -> None:
             print(f"T={T} {name}: {tot / args.reps:.1f} us a call (GPU kernel time)")
             for kname, t in sorted(times.items(), key=lambda kv: -kv[1]):
                 print(f"    {t / args.reps:9.1f} us  {100 * t / tot:5.1f}%  {kname[:90]}")
+
+
+def _t1_case(config):
+    """The T = 1 case of the timeline and --graph: MXFP4 experts (packed as ``config`` reads
+    them), one token's routing and x, and the call."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
+    ex = experts_for(_random_experts(E, H, I, "mxfp4", dev, gen), config, "mxfp4", 1)
+    ids, w = route(torch.randn(1, E, device=dev, generator=gen), None, topk=k)
+    x = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
+    return lambda: fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                             fmt="mxfp4", swiglu_limit=10.0, backend="triton",
+                             kernel_config=config)
+
+
+def graph_spans(call, reps: int = 20, label="the table's T = 1 config") -> None:
+    """Print, for ``call`` (the T = 1 call of :func:`_t1_case`) replayed from a CUDA graph after do_bench's L2 flush (as the
+    benchmark times it), the median of: the replay's event-to-event time, each kernel's
+    duration, the time from the start event to the first kernel and between kernels."""
+    import statistics
+
+    import triton
+    from dsv4lab import bench
+    graph = bench.capture_graph(call)[0]
+    flush = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(reps)]
+    for _ in range(5):
+        flush.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s, e in marks:
+            flush.zero_()
+            s.record()
+            graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                     if ev.device_type == torch.autograd.DeviceType.CUDA
+                     and "memcpy" not in ev.name.lower() and "memset" not in ev.name.lower())
+    # a replay's kernels: those after each flush (the fill kernel) up to the next one
+    reps_k, cur = [], None
+    for start, end, name in kernels:
+        if "fill" in name.lower():          # torch's zero_ runs a FillFunctor kernel
+            cur = [(start, end, "flush")]
+            reps_k.append(cur)
+        elif cur is not None:
+            cur.append((start, end, name))
+    figures = defaultdict(list)
+    for r in reps_k:
+        flush_end = r[0][1]
+        prev = flush_end
+        for i, (start, end, name) in enumerate(r[1:]):
+            figures[f"gap before kernel {i}"].append(start - prev)
+            figures[f"kernel {i}: {name[:60]}"].append(end - start)
+            prev = end
+        figures["flush end -> last kernel end"].append(prev - flush_end)
+    figures["replay events (the benchmark's figure)"] = [s.elapsed_time(e) * 1e3 for s, e in marks]
+    print(f"graph replay after the L2 flush ({label}), median of {len(reps_k)} replays, us:")
+    for name, vals in figures.items():
+        print(f"  {name:<70} {statistics.median(vals):8.2f}")
 
 
 def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config") -> None:
