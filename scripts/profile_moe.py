@@ -114,9 +114,10 @@ def _t1_case(config):
 
 
 def graph_spans(call, reps: int = 20, label="the table's T = 1 config") -> None:
-    """Print, for ``call`` (the T = 1 call of :func:`_t1_case`) replayed from a CUDA graph after do_bench's L2 flush (as the
-    benchmark times it), the median of: the replay's event-to-event time, each kernel's
-    duration, the time from the start event to the first kernel and between kernels."""
+    """Print, for ``call`` (e.g. :func:`_t1_case`'s) replayed from a CUDA graph after
+    do_bench's L2 flush (as the benchmark times it), the median of: the replay's event-to-event
+    time, each kernel's duration, the time from the flush's end to the first kernel and
+    between kernels."""
     import statistics
 
     import triton
@@ -168,16 +169,10 @@ def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config")
     import statistics
 
     from dsv4lab.kernels import moe_mma2
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
-    ex = experts_for(_random_experts(E, H, I, "mxfp4", dev, gen), config, "mxfp4", 1)
-    ids, w = route(torch.randn(1, E, device=dev, generator=gen), None, topk=k)
-    x = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
+    call = _t1_case(config)
     figures = defaultdict(list)
     for rep in range(reps + 1):
-        fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt="mxfp4",
-                  swiglu_limit=10.0, backend="triton", kernel_config=config)
+        call()
         torch.cuda.synchronize()
         st, n_gu = moe_mma2.timeline()
         st = st.cpu().double()
