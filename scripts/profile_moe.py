@@ -7,7 +7,8 @@
 
 ``--graph``: the T = 1 call as ``dsv4lab bench moe`` times it (a CUDA graph replayed after
 the L2 flush), each replay's kernels with their start and end against the replay's events:
-how much of the timed figure is the kernels and how much is launch and the gaps between.
+how much of the timed figure is the kernels and how much is launch and the gaps between; then
+the same for a graph of one small torch kernel, the floor every graph-timed row carries.
 
 ``--timeline``: the table's T = 1 config (kernels/moe_mma2.py's FUSED launch) with each
 tile's %globaltimer stamps (moe_mma2.TIMELINE_POINTS): when the gate/up and down tiles
@@ -71,7 +72,9 @@ def main() -> None:
             cfg = fused[args.variant]
         label = args.variant or "the table's T = 1 config"
         if args.graph:
-            return graph_spans(_t1_case(cfg), args.reps, label=label)
+            graph_spans(_t1_case(cfg), args.reps, label=label)
+            small = torch.zeros(4096, device="cuda")      # the floor any graph-timed row carries
+            return graph_spans(lambda: small.add_(1.0), args.reps, label="one small torch kernel")
         return fused_timeline(config=cfg, label=label)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
