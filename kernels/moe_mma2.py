@@ -193,7 +193,7 @@ op layer (``ops.fused_moe``) takes the canonical layout, so the table's entry do
 
 Where the timed figure goes (session 17; ``python3 scripts/profile_moe.py --graph``: the call's
 kernels inside the graph replay the benchmark times, printouts at a working tree of 076ecea,
-medians of 20 replays after the L2 flush). Of the 44.7-45.5 us a replay takes, 3.3-3.9 us pass
+medians of 20 replays after the L2 flush). Of the 44.8-45.5 us a replay takes, 3.3-3.9 us pass
 before x's copy starts (for a graph of one small torch kernel: 2.9-3.3 us, a floor every
 graph-timed row carries), the copy takes 1.6 us, 0.7 of them under the decode (PDL), and the decode 40.5 us:
 80 MB at 2.0 TB/s. So 0.5 of the roofline (37.8 us) asks ~33.5 us of the decode, 2.4 TB/s. Nor
