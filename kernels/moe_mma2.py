@@ -202,6 +202,12 @@ results, timings only; tune_moe round 22, two printouts at the same tree) took 4
 us (MXFP4; NVFP4 45.5 against 46.7; TILED 42.6 / 41.5 against 43.6 / 42.3): ~1 us. Down tiles
 that start at once then share the bandwidth with the gate/up tiles instead of waiting; the bytes
 arrive no faster.
+What the loops' work costs (tune_moe round 23, diagnostic builds, printouts at a working tree of
+9422d9d): with the register ring kept but its words xor-folded instead of decoded and multiplied,
+the call took 38.2 us (MXFP4; NVFP4 42.8) and with TILED 35.5 (35.2), against 44.0 / 43.6: the
+work costs 6-8 us, and with the canonical layout the launch's loads alone are above 0.5's 37.8 us.
+That cost is not in proportion to the instructions: without the decode's scale multiplies (a
+third fewer loop instructions) MXFP4 took 43.9-44.1, and without x's loads 47.5.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

@@ -345,6 +345,25 @@ CANDIDATES = [
     # dependency between the phases costs. Two printouts at a working tree of 076ecea, --only
     # 157,158,160, MXFP4 / NVFP4: #157 44.0 / 46.7 us, NOWAIT 43.2 / 45.5; #158 43.6 / 42.3,
     # NOWAIT 42.6 / 41.5; #160 43.6 / 44.8, NOWAIT 42.8 / 43.6. About 1 us: the wait is not it.
+    # round 23 (session 17; the code is gone): three more diagnostic builds, env switches read at
+    # import like TIMELINE, wrong results, timings only; two printouts each at a working tree of
+    # 9422d9d, --only 157,158, MXFP4 / NVFP4 (the entry 43.8-44.1 / 46.5-46.9 us, TILED
+    # 43.5-43.7 / 42.3-42.7 in the same runs):
+    # - LOADS_ONLY: _k_loop_regs's REGS 4 loop kept its ring of weight and scale loads but
+    #   xor-folded the words instead of decoding and multiplying them (no x loads, no mma;
+    #   offline sm_90 loops 1353 -> 190 and 710 -> 88 instructions, 138 registers). The entry
+    #   38.2-38.3 / 42.8, TILED 35.5-35.6 / 35.2-35.4; with NOWAIT too 38.0-38.8 / 41.6-41.8,
+    #   35.3 / 34.5-34.6; `profile_moe.py --graph`: decode kernel 34.4 us (against 40.3-40.6).
+    #   So the loop's work costs 6-8 us, and with the canonical layout this launch's loads alone
+    #   take 38.2 us, above 0.5's 37.8: only the packed layout leaves room (35.5);
+    # - RAWDEC: CVT8_WORD_ASM without its four scale multiplies (the loops 1353 -> 911 and
+    #   710 -> 499 instructions, 126 registers): the entry 43.9-44.1 / 44.3-44.4, TILED 43.4 /
+    #   42.1-42.2. A third fewer loop instructions, no faster for MXFP4: the work's cost is not
+    #   in proportion to its instructions;
+    # - NOX: x's fragments not loaded (constants in the B operand; 127 registers): the entry
+    #   47.5-47.6 / 45.6-45.9, TILED 46.3-46.4 / 40.8-41.0. Not x's loads either; the schedule
+    #   ptxas makes of a step (where the refills land among the decode and the mma) changes with
+    #   each of these builds, and with it the time.
 ]
 
 
