@@ -794,18 +794,17 @@ def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, strid
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     e64 = e.to(gl.int64)
-    if TILED:       # [16-row group][K-step][16 rows][64 bytes], scales [..][16 rows][NSC]
-        r64 = rows.to(gl.int64)
+    r64 = rows.to(gl.int64)
+    if TILED:       # [16-row group][K-step][16 rows][64 bytes]
         w = (w_ptr + e64 * stride_we + (r64 // 16) * (16 * stride_wn)
              + (r64 % 16) * SEG_BYTES + sp * NSEG * 16 * SEG_BYTES)
-        if TILED == 2:
-            s = (s_ptr + e64 * stride_se + (r64 // 16) * (16 * stride_sn) + (r64 % 16) * NSC
-                 + sp * NSEG * 16 * NSC)
-        else:
-            s = s_ptr + e64 * stride_se + r64 * stride_sn + sp * NSEG * NSC
     else:
-        w = w_ptr + e64 * stride_we + rows.to(gl.int64) * stride_wn + sp * NSEG * SEG_BYTES
-        s = s_ptr + e64 * stride_se + rows.to(gl.int64) * stride_sn + sp * NSEG * NSC
+        w = w_ptr + e64 * stride_we + r64 * stride_wn + sp * NSEG * SEG_BYTES
+    if TILED == 2:  # the scales alike: [16-row group][K-step][16 rows][NSC]
+        s = (s_ptr + e64 * stride_se + (r64 // 16) * (16 * stride_sn) + (r64 % 16) * NSC
+             + sp * NSEG * 16 * NSC)
+    else:
+        s = s_ptr + e64 * stride_se + r64 * stride_sn + sp * NSEG * NSC
     if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
