@@ -339,15 +339,16 @@ CANDIDATES = [
            TILED="weights"),
     _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
            TILED="weights", EARLY=False),
-    # round 22 (session 17; the code is gone): NOWAIT, a diagnostic build whose down tiles do not
-    # wait for their pair's activations (in moe_mma2._down_tile, ``_wait_count(...)`` skipped when
-    # an env switch was set: wrong results, flagged WRONG here, timings only), to time what the
+    # round 22 (session 17; the build is scripts/moe_t1_diagnostics.patch, kept out of the
+    # kernel): NOWAIT, a diagnostic build whose down tiles do not wait for their pair's
+    # activations (in moe_mma2._down_tile, ``_wait_count(...)`` skipped when an env switch is
+    # set: wrong results, flagged WRONG here, timings only), to time what the
     # dependency between the phases costs. Two printouts at a working tree of 076ecea, --only
     # 157,158,160, MXFP4 / NVFP4: #157 44.0 / 46.7 us, NOWAIT 43.2 / 45.5; #158 43.6 / 42.3,
     # NOWAIT 42.6 / 41.5; #160 43.6 / 44.8, NOWAIT 42.8 / 43.6. About 1 us: the wait is not it.
-    # round 23 (session 17; the code is gone): three more diagnostic builds, env switches read at
-    # import like TIMELINE, wrong results, timings only; two printouts each at a working tree of
-    # 9422d9d, --only 157,158, MXFP4 / NVFP4 (the entry 43.8-44.1 / 46.5-46.9 us, TILED
+    # round 23 (session 17; scripts/moe_t1_diagnostics.patch): three more diagnostic builds, env
+    # switches read at import like TIMELINE, wrong results, timings only; two printouts each at a
+    # working tree of 9422d9d, --only 157,158, MXFP4 / NVFP4 (the entry 43.8-44.1 / 46.5-46.9 us, TILED
     # 43.5-43.7 / 42.3-42.7 in the same runs):
     # - LOADS_ONLY: _k_loop_regs's REGS 4 loop kept its ring of weight and scale loads but
     #   xor-folded the words instead of decoding and multiplying them (no x loads, no mma;
