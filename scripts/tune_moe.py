@@ -365,6 +365,19 @@ CANDIDATES = [
     #   47.5-47.6 / 45.6-45.9, TILED 46.3-46.4 / 40.8-41.0. Not x's loads either; the schedule
     #   ptxas makes of a step (where the refills land among the decode and the mma) changes with
     #   each of these builds, and with it the time.
+    # round 24 (session 18): PRE, only the gate/up tiles wait for x's copy (PDL), just before
+    # their K loops, so that the tickets are taken as the programs start and the prologue
+    # (routing, MXFP4 row maxima, the ring's first loads) overlaps the copy; the counters are
+    # left zero by each launch (its last program resets them) instead of zeroed by the copy.
+    # Against #157 / #158:
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           PRE=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           TILED=True, PRE=True),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           PRE=True, EARLY=False),
+    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
+           PRE=True),
 ]
 
 
