@@ -892,15 +892,22 @@ def _moe_xpre_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr,
 
 
 @triton.jit
-def _moe_xpre_pdl_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """:func:`_moe_xpre_kernel` (SEG order) for the one-launch decode (kernels/moe_mma2.py).
-    ``PDL``: that decode is a programmatic dependent launch of this one, which may be scheduled
-    as soon as every program here has started."""
+def _moe_xpre_zero_kernel(x_ptr, xk_ptr, zero_ptr, n_zero, HP, stride_x, stride_xk,
+                          BH: tl.constexpr, PDL: tl.constexpr = False):
+    """:func:`_moe_xpre_kernel` (SEG order) that also zeroes ``n_zero`` int32 at ``zero_ptr``
+    (program (0, 0)): the one-launch decode's x copy and its counters in one launch instead of
+    a copy and a fill. ``PDL``: the decode that reads both is a programmatic dependent launch
+    of this one (kernels/moe_mma2.py), which may be scheduled as soon as every program here
+    has started."""
     if PDL:
         gdc_launch_dependents()
-    _xpre_body(x_ptr, xk_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), HP, stride_x,
-               stride_xk, BH, 2, True)
+    pb = tl.program_id(1)
+    t = tl.program_id(0)
+    if (t == 0) & (pb == 0):
+        offs = tl.arange(0, BH)
+        for z0 in range(0, n_zero, BH):
+            tl.store(zero_ptr + z0 + offs, 0, mask=z0 + offs < n_zero)
+    _xpre_body(x_ptr, xk_ptr, t.to(tl.int64), pb, HP, stride_x, stride_xk, BH, 2, True)
 
 
 @triton.jit
@@ -1094,7 +1101,7 @@ CONFIGS = [
 # not be importable)
 MMA2_LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2",
                     "num_warps", "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG",
-                    "EVICT", "EARLY", "TILED", "PRE")
+                    "EVICT", "EARLY", "TILED")
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
                "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "MMA2",
                "num_warps", "num_stages")

@@ -208,6 +208,16 @@ the call took 38.2 us (MXFP4; NVFP4 42.8) and with TILED 35.5 (35.2), against 44
 work costs 6-8 us, and with the canonical layout the launch's loads alone are above 0.5's 37.8 us.
 That cost is not in proportion to the instructions: without the decode's scale multiplies (a
 third fewer loop instructions) MXFP4 took 43.9-44.1, and without x's loads 47.5.
+Nor did ``PRE`` (session 18, code removed; tune_moe round 24, printouts at a79ad12): the
+counters left zero by each launch instead of zeroed by x's copy, so that only the gate/up tiles
+waited for the copy, just before their K loops (tickets, routing, row maxima and the first ring
+loads under the copy): MXFP4 46.1-46.5 us against 46.0-46.2 for that build without PRE and
+44.7-45.6 for this kernel in the same runs, NVFP4 49.1-50.3 against 48.3-49.3 and 47.7-49.8;
+with TILED 44.5-44.9 against 45.1-45.5. Its timeline (``--timeline``, same
+tree; that build held 6 programs an SM): the gate/up loops start at 3.3 us and end at 19.5
+(medians; the last at 22.8), their 52 MB at ~3.2 TB/s; the down loops start at 24.3-27.9 us,
+end by 35.3, and the launch ends at 37.9. The device's compile of the entry holds 148 registers
+(MXFP4, 7 programs an SM; NVFP4 166, 6); capped at 128 it spills and takes 51.5 us (NVFP4 58.1).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -977,11 +987,10 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
                   ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
-                  TILED: gl.constexpr = False, GDC_WAIT: gl.constexpr = False):
+                  TILED: gl.constexpr = False):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
-    slice, the SwiGLU into act[p], and pair p's count released. ``GDC_WAIT``: wait for x's
-    copy (the grid this one depends on) just before the K loop."""
+    slice, the SwiGLU into act[p], and pair p's count released."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     g = tile // SPLIT1                      # the gate/up row tile (p, pn)
@@ -1003,8 +1012,6 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                                    IS_NV, 2 * BN1, num_warps, False, TILED)
             pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
                                                           num_warps, EVICT, TILED)
-            if GDC_WAIT:
-                _gdc_wait(num_warps)
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
                                nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT, TILED)
@@ -1024,8 +1031,6 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                                                 stride_s13n, IS_NV, BN1, num_warps, ACC_SCALE)
             if ACC_SCALE:                       # the token's row in every column, by block
                 xmask = m >= 0
-            if GDC_WAIT:
-                _gdc_wait(num_warps)
             _stamp(stamps_ptr, tile, 2, num_warps)
             acc_g, acc_u = _k_loop(wg, sg, nmask, smax_g, wu, su, nmask, smax_u, x_rows, xmask,
                                    nseg1, IS_NV, BN1, 2, STAGES, NSPS1, ASM, num_warps, ACC_SCALE)
@@ -1131,20 +1136,17 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False,
-                   PRE: gl.constexpr = False):
+                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
     Tiles are handed out in the order programs start (a ticket counter), gate/up tiles
     first, pair by pair, then the down tiles, pair by pair: a program that waits only ever
     waits for tiles already handed to running programs, so the launch cannot deadlock
-    whatever order the hardware starts programs in. Counters (ctr_ptr, all zero when the
-    launch starts, and zero again when it ends: the last program to finish resets them, so the
-    launcher keeps one set a device and zeroes nothing): [0] the ticket; [1 + p] pair p's
-    finished gate/up row tiles; [1 + P + n] the finished down tiles of hidden rows n * BN2 ...;
-    [1 + P + H / BN2 + g] the finished K slices of gate/up row tile g (split-K only); the last
-    one, the finished programs.
+    whatever order the hardware starts programs in. Counters (ctr_ptr, zeroed by the
+    launcher): [0] the ticket; [1 + p] pair p's finished gate/up row tiles; [1 + P + n] the
+    finished down tiles of hidden rows n * BN2 ...; [1 + P + H / BN2 + g] the finished K
+    slices of gate/up row tile g (split-K only).
     - a gate/up tile: BN1 gate and the BN1 matching up rows of pair p's expert over a K
       slice of H; split over K (SPLIT1), fp32 partials, the last slice to finish sums them
       in order; then the SwiGLU, act[p] stored in sigma's order (fp16 times 2**-8), released;
@@ -1154,11 +1156,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
       over the pairs and slices in order and writes out.
     ``ACC_SCALE``: the K loops apply the block scales to the accumulator (see :func:`_k_loop`;
     ASM = CVT8_RAW_ASM): row n of x's buffers holds the token's elements of scale block n.
-    ``PDL``: launched as a programmatic dependent launch of the kernel that copies x; every
-    program waits for that kernel before its ticket, or, with ``PRE``, only a gate/up tile,
-    just before its K loop (the first to read x): its ticket, routing, MXFP4 row maxima and
-    first ring loads overlap the copy, and the programs take their tickets in the order they
-    start, not in the order they leave the wait.
+    ``PDL``: launched as a programmatic dependent launch of the kernel that copies x and zeroes
+    the counters; every program waits for that kernel before its ticket.
     ``REGS`` (2 or 4; 0: the shared-memory ring): the K loops read their bytes into registers,
     REGS K-steps in flight (:func:`_k_loop_regs`), and a gate/up tile runs its BN1 gate and
     BN1 up rows as one matrix of 2 BN1 rows. ``EARLY`` (REGS): a down tile requests its ring's
@@ -1173,7 +1172,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     n_gu = P * n_tiles1 * SPLIT1
     nseg1 = H // 128 // SPLIT1
     nseg2 = I // 128 // SPLIT2
-    if PDL and not PRE:     # (the timeline's "program start" is then the end of this wait)
+    if PDL:     # (the timeline's "program start" is then the end of this wait)
         _gdc_wait(num_warps)
     t0 = 0
     if TIMELINE:
@@ -1190,21 +1189,13 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
                       stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT, TILED, PDL and PRE)
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT, TILED)
     else:
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
                    nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
                    stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
                    ACC_SCALE, REGS, EVICT, EARLY, TILED)
-    # the last program to finish (every other one has done with the counters) resets them
-    n_ctr = 2 + P + n_tiles2 + P * n_tiles1
-    cta_barrier()
-    if gl.atomic_add(ctr_ptr + n_ctr - 1, 1, sem="acq_rel", scope="gpu") == n_gu + P * n_tiles2 * SPLIT2 - 1:
-        Z: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        for z0 in range(0, n_ctr, 32 * num_warps):
-            offs = z0 + gl.arange(0, 32 * num_warps, layout=Z)
-            gl.store(ctr_ptr + offs, 0 * offs, mask=offs < n_ctr)
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1230,7 +1221,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, TILED=False, PRE=False):
+              EVICT=False, EARLY=True, TILED=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1239,13 +1230,9 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``ACC_SCALE`` (the fused launch only; sm_89+, the CVT8 decode): the block scales on the
     accumulator instead of on every decoded weight (see :func:`_step_acc_scale`); None: where
     it can run, else not.
-    ``PDL`` (the fused launch only): the launch is x's copy's programmatic dependent launch, so
-    its programs are scheduled while the copy runs (None: where
-    :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches). ``PRE`` (with
-    PDL): only a gate/up tile waits for the copy, just before its K loop (see
-    :func:`_decode_kernel`); None: wherever PDL is on. The fused launch's counters are one set a device and launch
-    shape (:func:`_counters`), left zero by each launch: calls on one device must not run
-    concurrently on two streams.
+    ``PDL`` (the fused launch only): x's copy also zeroes the launch's counters, and the launch
+    is its programmatic dependent launch, so its programs are scheduled while the copy runs
+    (None: where :func:`dsv4lab.kernels.device.pdl_ok`, sm_90+; False: two plain launches).
     ``REGS`` (0, 2 or 4; the fused launch only; sm_89+, the CVT8 decode, not with ACC_SCALE):
     the K loops without shared memory, REGS K-steps in flight (see :func:`_k_loop_regs`;
     STAGES and NSPS unused); 0: the shared-memory ring; None: 4 where it can run (sm_89+, the
@@ -1345,18 +1332,17 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         pdl = pdl_able if PDL is None else bool(PDL)
         if pdl and not pdl_able:
             raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
-        pre = pdl if PRE is None else bool(PRE)
-        if pre and not pdl:
-            raise ValueError("moe_mma2: PRE moves the wait of a programmatic dependent launch; "
-                             "it needs PDL (sm_90 or newer, PDL not False)")
-        counters = _counters(dev, 2 + P + H // BN2 + P * (I // BN1))
-        base._moe_xpre_pdl_kernel[(T, triton.cdiv(H // 2, BX))](
-            x, xp, H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl, num_warps=4)
+        # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
+        # _decode_kernel), zeroed by x's copy
+        counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
+        base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
+            x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
+            num_warps=4)
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
                              int(REGS), MAXNREG, bool(EVICT), bool(EARLY),
-                             1 if TILED == "weights" else 2 if TILED else 0, pre)
+                             1 if TILED == "weights" else 2 if TILED else 0)
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1396,8 +1382,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, tiled=0, pre=False):
-    """:func:`_decode_kernel` on x's copy ``xp`` and its zero ``counters`` (T <= BM tokens;
+                  evict=False, early=True, tiled=0):
+    """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
     I = w13.shape[1] // 2
@@ -1425,23 +1411,9 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, TILED=tiled,
-        PRE=pre, launch_pdl=pdl,
+        launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
-
-
-_COUNTERS: dict = {}
-
-
-def _counters(device, n: int) -> torch.Tensor:
-    """The fused launch's n int32 counters on ``device``: made zero once, and left zero by every
-    launch (its last program resets them), so a call zeroes nothing (no fill kernel, and the
-    tickets can be taken before x's copy is done: ``PRE``). One set a (device, n): two launches
-    of one shape must not run at the same time (two streams)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def pack_tile_major(w: torch.Tensor, scale: torch.Tensor, fmt: str = "mxfp4", *,

@@ -365,19 +365,19 @@ CANDIDATES = [
     #   47.5-47.6 / 45.6-45.9, TILED 46.3-46.4 / 40.8-41.0. Not x's loads either; the schedule
     #   ptxas makes of a step (where the refills land among the decode and the mma) changes with
     #   each of these builds, and with it the time.
-    # round 24 (session 18): PRE, only the gate/up tiles wait for x's copy (PDL), just before
-    # their K loops, so that the tickets are taken as the programs start and the prologue
-    # (routing, MXFP4 row maxima, the ring's first loads) overlaps the copy; the counters are
-    # left zero by each launch (its last program resets them) instead of zeroed by the copy.
-    # Against #157 / #158:
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           PRE=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           TILED=True, PRE=True),
-    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           PRE=True, EARLY=False),
-    _fused(BN1=32, BN2=32, SPLIT1=4, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False,
-           PRE=True),
+    # round 24 (session 18; the code is gone): PRE, the fused launch's counters left zero by each
+    # launch (its last program reset them; one set a device) instead of zeroed by x's copy, so
+    # that only the gate/up tiles waited for the copy (PDL), just before their K loops: tickets
+    # taken as the programs start, routing, MXFP4 row maxima and the ring's first loads under
+    # the copy. Printout at a79ad12 (--only 157,158 and PRE's four), MXFP4 / NVFP4: #157 46.1 /
+    # 49.3 us, TILED 45.5 / 44.6; PRE 46.5 / 50.3, PRE with TILED 44.9 / 44.2, PRE without
+    # EARLY 46.4 / 50.7, PRE at SPLIT1 4 50.5 / 51.9. A same-process A/B at a79ad12 (two graph
+    # timings each): b6740c2's kernel 44.7-45.6 / 47.7-49.8, the reset counters 46.0-46.2 /
+    # 48.3-48.5, PRE 46.1 / 49.1-49.2, TILED 45.1 / 43.9, TILED with PRE 44.5-44.6 / 43.5. No
+    # gain outside the run-to-run spread (~1 us) but TILED's ~0.5, against a counter set that
+    # two streams must not share: not kept. The device's compile (its registers read from the
+    # compiled kernel): 148 registers (b6740c2, MXFP4; 7 programs an SM), NVFP4 166 (6);
+    # MAXNREG 128 spills (4 / 24 words) and runs 51.5 / 58.1 us.
 ]
 
 

@@ -175,12 +175,6 @@ VARIANTS = [
     # the T = 1 entry with a down tile's first ring loads issued after its wait for the
     # activations (EARLY off), as before session 12
     ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False))),
-    # Session 18: the T = 1 entry with only its gate/up tiles waiting for x's copy, just before
-    # their K loops (moe_mma2 PRE: tickets, routing, row maxima and first ring loads overlap
-    # the copy; the counters left zero by each launch instead of zeroed by the copy); and with
-    # the packed layout too
-    ("mma2_pre_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, PRE=True))),
-    ("mma2_tiled_pre_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, TILED=True, PRE=True))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -194,8 +188,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
                 "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
                 "mma2_smem_t1": (1,), "mma2_noevict_t1": (1,), "mma2_late_ring_t1": (1,),
-                "mma2_tiled_t1": (1,), "mma2_tiled_w_t1": (1,), "mma2_pre_t1": (1,),
-                "mma2_tiled_pre_t1": (1,),
+                "mma2_tiled_t1": (1,), "mma2_tiled_w_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
