@@ -378,6 +378,17 @@ CANDIDATES = [
     # two streams must not share: not kept. The device's compile (its registers read from the
     # compiled kernel): 148 registers (b6740c2, MXFP4; 7 programs an SM), NVFP4 166 (6);
     # MAXNREG 128 spills (4 / 24 words) and runs 51.5 / 58.1 us.
+    # round 25 (session 18): round 12's geometries again with the entry's switches since
+    # (EVICT, no L2 prefetch, EARLY): fewer gate/up tiles (SPLIT1 1: 384, so that more down
+    # tiles are resident, their first loads issued, when the pairs complete), taller or split
+    # down tiles, programs of 1 and 4 warps. Against #157:
+    _fused(BN1=32, BN2=32, SPLIT1=1, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=64, SPLIT1=1, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=32, BN2=32, SPLIT1=2, SPLIT2=2, num_warps=2, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, EVICT=True, PREFETCH=False),
+    _fused(BN1=16, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, EVICT=True, PREFETCH=False),
 ]
 
 
