@@ -3,6 +3,7 @@
     python scripts/profile_moe.py [--tokens 1 64] [--reps 20]
     python scripts/profile_moe.py --timeline      # inside the T = 1 one-launch decode
     python scripts/profile_moe.py --timeline --variant mma2_acc_scale_t1   # a bench variant's
+    python scripts/profile_moe.py --timeline --launch '{"TILED": true}'   # launch keys over it
     python scripts/profile_moe.py --graph [--variant NAME]   # kernels inside the timed replay
 
 ``--graph``: the T = 1 call as ``dsv4lab bench moe`` times it (a CUDA graph replayed after
@@ -61,6 +62,11 @@ def main() -> None:
     ap.add_argument("--variant", default=None,
                     help="with --timeline or --graph: a fused variant of dsv4lab.benchmarks.moe.VARIANTS "
                          "instead of the table's T = 1 config")
+    ap.add_argument("--launch", default=None,
+                    help="with --timeline or --graph: JSON of moe_mma2 launch keys over the config's "
+                         "MMA2 entry, e.g. '{\"TILED\": true}'")
+    ap.add_argument("--no-flush", action="store_true",
+                    help="with --timeline: no L2 flush before each stamped call (the benchmark flushes)")
     args = ap.parse_args()
     if args.timeline or args.graph:
         cfg = None
@@ -71,11 +77,17 @@ def main() -> None:
                          f"got {args.variant!r}")
             cfg = fused[args.variant]
         label = args.variant or "the table's T = 1 config"
+        if args.launch is not None:
+            import json
+            from dsv4lab.kernels.moe import config_for
+            cfg = dict(cfg or config_for(1, FLASH["topk"], FLASH["E"], "mxfp4"))
+            cfg["MMA2"] = dict(cfg["MMA2"], **json.loads(args.launch))
+            label += f" with {args.launch}"
         if args.graph:
             graph_spans(_t1_case(cfg), args.reps, label=label)
             small = torch.zeros(4096, device="cuda")      # the floor any graph-timed row carries
             return graph_spans(lambda: small.add_(1.0), args.reps, label="one small torch kernel")
-        return fused_timeline(config=cfg, label=label)
+        return fused_timeline(config=cfg, label=label, flush=not args.no_flush)
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
@@ -166,15 +178,22 @@ def graph_spans(call, reps: int = 20, label="the table's T = 1 config") -> None:
         print(f"  {name:<70} {statistics.median(vals):8.2f}")
 
 
-def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config") -> None:
+def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config",
+                   flush: bool = True) -> None:
     """Print the T = 1 fused launch's timeline (median over ``reps`` calls of each figure), of
-    the table's config or ``config`` (a full kernel config with a FUSED MMA2 entry)."""
+    the table's config or ``config`` (a full kernel config with a FUSED MMA2 entry); ``flush``:
+    each call after do_bench's L2 flush, as the benchmark times it (otherwise the weights the
+    last call left in the L2 are read from there)."""
     import statistics
 
+    import triton
     from dsv4lab.kernels import moe_mma2
     call = _t1_case(config)
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark() if flush else None
     figures = defaultdict(list)
     for rep in range(reps + 1):
+        if cache is not None:
+            cache.zero_()
         call()
         torch.cuda.synchronize()
         st, n_gu = moe_mma2.timeline()
@@ -226,7 +245,7 @@ def fused_timeline(reps: int = 5, config=None, label="the table's T = 1 config")
             conc.append(int(((st[:, 0] <= tb) & (end(st) > tb)).sum()))
         figures["tiles running at 1/12 .. 12/12 of the span"].append(conc)
     print(f"T = 1 fused decode ({label}), {st.shape[0]} tiles ({n_gu} gate/up), median of "
-          f"{reps} calls:")
+          f"{reps} calls{' after the L2 flush' if flush else ' (no L2 flush)'}:")
     for name, vals in figures.items():
         if isinstance(vals[0], list):
             print(f"  {name}: {[round(statistics.median(c), 1) for c in zip(*vals)]}")
