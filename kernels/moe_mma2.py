@@ -1137,7 +1137,8 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
                    EARLY: gl.constexpr = True, TILED: gl.constexpr = False,
-                   BALANCE: gl.constexpr = False, NSM: gl.constexpr = 1):
+                   BALANCE: gl.constexpr = False, NSM: gl.constexpr = 1,
+                   SMEM_PAD: gl.constexpr = 0):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1179,6 +1180,12 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     if TIMELINE:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
                                        is_pure=False, pack=1)
+    if SMEM_PAD > 0:    # diagnostic: SMEM_PAD KB (a power of two) of shared memory held, so
+        # that fewer programs fit an SM
+        PADL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+        pad = gl.allocate_shared_memory(gl.int32, [SMEM_PAD, 256],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        pad.store(gl.zeros([SMEM_PAD, 256], gl.int32, layout=PADL))
     if BALANCE:
         one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         sm = gl.max(gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r",
@@ -1233,7 +1240,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, TILED=False, BALANCE=False):
+              EVICT=False, EARLY=True, TILED=False, BALANCE=False, SMEM_PAD=0):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1355,7 +1362,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
                              int(REGS), MAXNREG, bool(EVICT), bool(EARLY),
-                             1 if TILED == "weights" else 2 if TILED else 0, bool(BALANCE))
+                             1 if TILED == "weights" else 2 if TILED else 0, bool(BALANCE),
+                             int(SMEM_PAD))
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1395,7 +1403,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, tiled=0, balance=False):
+                  evict=False, early=True, tiled=0, balance=False, smem_pad=0):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1424,7 +1432,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, TILED=tiled,
-        BALANCE=balance, NSM=torch.cuda.get_device_properties(dev).multi_processor_count if balance else 1,
+        BALANCE=balance, SMEM_PAD=smem_pad, NSM=torch.cuda.get_device_properties(dev).multi_processor_count if balance else 1,
         launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
