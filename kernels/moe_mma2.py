@@ -218,6 +218,11 @@ tree; that build held 6 programs an SM): the gate/up loops start at 3.3 us and e
 (medians; the last at 22.8), their 52 MB at ~3.2 TB/s; the down loops start at 24.3-27.9 us,
 end by 35.3, and the launch ends at 37.9. The device's compile of the entry holds 148 registers
 (MXFP4, 7 programs an SM; NVFP4 166, 6); capped at 128 it spills and takes 51.5 us (NVFP4 58.1).
+Nor did handing the gate/up tiles out by SM (``BALANCE``, session 18, code removed; tune_moe
+round 26): in the timeline after the L2 flush, the stamped build of the entry (8 programs an SM)
+had its gate/up loops straggling to 29.2 us on the SMs that drew 8 of them, and a balanced
+build ended its launch at 39.2 us against 45.1; timed, 44.9-45.2 us against 44.2-44.8 (MXFP4;
+NVFP4 46.3-46.8 against 46.2-47.4): the timed build (7 an SM) does not straggle so.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -1136,9 +1141,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False,
-                   BALANCE: gl.constexpr = False, NSM: gl.constexpr = 1,
-                   SMEM_PAD: gl.constexpr = 0):
+                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1180,24 +1183,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     if TIMELINE:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
                                        is_pure=False, pack=1)
-    if SMEM_PAD > 0:    # diagnostic: SMEM_PAD KB (a power of two) of shared memory held, so
-        # that fewer programs fit an SM
-        PADL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-        pad = gl.allocate_shared_memory(gl.int32, [SMEM_PAD, 256],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        pad.store(gl.zeros([SMEM_PAD, 256], gl.int32, layout=PADL))
-    if BALANCE:
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        sm = gl.max(gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r",
-                                              [gl.arange(0, 32 * num_warps, layout=one)],
-                                              dtype=gl.int32, is_pure=True, pack=1), axis=0)
-        n_ctr0 = 1 + P + n_tiles2 + P * n_tiles1
-        j = gl.atomic_add(ctr_ptr + n_ctr0 + 1 + sm, 1, sem="relaxed", scope="gpu")
-        tile = sm + NSM * j
-        if tile >= n_gu:
-            tile = n_gu + gl.atomic_add(ctr_ptr + n_ctr0, 1, sem="relaxed", scope="gpu")
-    else:
-        tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
     if TIMELINE:
         gl.store(stamps_ptr + tile * 8, t0)
         _stamp(stamps_ptr, tile, 1, num_warps)
@@ -1240,7 +1226,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, TILED=False, BALANCE=False, SMEM_PAD=0):
+              EVICT=False, EARLY=True, TILED=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1353,8 +1339,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
         # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
         # _decode_kernel), zeroed by x's copy
-        counters = torch.empty(1 + P + H // BN2 + P * (I // BN1) + (1 + 256 if BALANCE else 0),
-                               dtype=torch.int32, device=dev)
+        counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)
@@ -1362,8 +1347,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
                              int(REGS), MAXNREG, bool(EVICT), bool(EARLY),
-                             1 if TILED == "weights" else 2 if TILED else 0, bool(BALANCE),
-                             int(SMEM_PAD))
+                             1 if TILED == "weights" else 2 if TILED else 0)
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1403,7 +1387,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, tiled=0, balance=False, smem_pad=0):
+                  evict=False, early=True, tiled=0):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1432,7 +1416,6 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, TILED=tiled,
-        BALANCE=balance, SMEM_PAD=smem_pad, NSM=torch.cuda.get_device_properties(dev).multi_processor_count if balance else 1,
         launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out

@@ -389,6 +389,23 @@ CANDIDATES = [
     _fused(BN1=64, BN2=64, SPLIT1=2, SPLIT2=1, num_warps=4, REGS=4, EVICT=True, PREFETCH=False),
     _fused(BN1=16, BN2=32, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, EVICT=True, PREFETCH=False),
     _fused(BN1=16, BN2=16, SPLIT1=2, SPLIT2=1, num_warps=1, REGS=4, EVICT=True, PREFETCH=False),
+    # Printout at 34e7451, MXFP4 / NVFP4: #157 44.3-44.4 / 47.0-47.1 us (two runs); SPLIT1 1 58.8
+    # / 58.6, with BN2 64 64.1 / 56.8; BN2 64 49.8 / 60.7; SPLIT2 2 47.6 / 50.1; 4 warps at 64 /
+    # 64 rows 45.1 / 47.3; one warp at 16 / 32 rows 50.5 / 54.5, at 16 / 16 46.6 / 49.8.
+    # round 26 (session 18; the code is gone): the timeline after the L2 flush (profile_moe
+    # --timeline, at 1cb0045) had the entry's stamped build (8 programs an SM) straggling: gate/up
+    # loops ending at 22.5 / 28.2 / 29.2 us (p50 / p90 / max), the SMs holding 8 of them slowest,
+    # no down loop before 31.0, the launch 45.1 us. BALANCE handed the gate/up tiles out by SM
+    # (%smid and an arrival count an SM: tile s + 132 j to the j-th program on SM s, the rest down
+    # tickets; not deadlock-free if an SM took too few programs, so a diagnostic only). Its
+    # stamped build (6 programs an SM): gate/up ends 20.2 / 21.8 / 23.8, launch 39.2. Timed
+    # (same-process A/B, three interleaved graph timings each, MXFP4 / NVFP4; at 9898529 and
+    # 3d19fd3): the entry 44.2-44.8 / 46.2-47.4 us, BALANCE 44.9-45.2 / 46.3-46.8, TILED 43.6-43.8
+    # / 42.5-42.7, TILED with BALANCE 44.0-44.3 / 42.7-42.9. SMEM_PAD, 32 KB of shared memory
+    # held a program so that 6 fit an SM (and the L1, which x's fragments are read from, shrinks
+    # with it): 52.7-52.9 / 57.4-57.7, with BALANCE 53.4-53.8 / 58.7-58.8; TILED 45.2-45.4 /
+    # 44.0-44.1. The timed build (7 programs an SM) does not straggle as the stamped one does:
+    # a timeline of a build with other registers is not the timed launch's.
 ]
 
 
