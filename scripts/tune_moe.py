@@ -371,8 +371,8 @@ CANDIDATES = [
     # taken as the programs start, routing, MXFP4 row maxima and the ring's first loads under
     # the copy. Printout at a79ad12 (--only 157,158 and PRE's four), MXFP4 / NVFP4: #157 46.1 /
     # 49.3 us, TILED 45.5 / 44.6; PRE 46.5 / 50.3, PRE with TILED 44.9 / 44.2, PRE without
-    # EARLY 46.4 / 50.7, PRE at SPLIT1 4 50.5 / 51.9. A same-process A/B at a79ad12 (two graph
-    # timings each): b6740c2's kernel 44.7-45.6 / 47.7-49.8, the reset counters 46.0-46.2 /
+    # EARLY 46.4 / 50.7, PRE at SPLIT1 4 50.5 / 51.9. A same-process A/B at a79ad12 (a one-off
+    # script, which scripts/ab_moe_t1.py replaced; two graph timings each): b6740c2's kernel 44.7-45.6 / 47.7-49.8, the reset counters 46.0-46.2 /
     # 48.3-48.5, PRE 46.1 / 49.1-49.2, TILED 45.1 / 43.9, TILED with PRE 44.5-44.6 / 43.5. No
     # gain outside the run-to-run spread (~1 us) but TILED's ~0.5, against a counter set that
     # two streams must not share: not kept. The device's compile (its registers read from the
@@ -399,7 +399,7 @@ CANDIDATES = [
     # (%smid and an arrival count an SM: tile s + 132 j to the j-th program on SM s, the rest down
     # tickets; not deadlock-free if an SM took too few programs, so a diagnostic only). Its
     # stamped build (6 programs an SM): gate/up ends 20.2 / 21.8 / 23.8, launch 39.2. Timed
-    # (same-process A/B, three interleaved graph timings each, MXFP4 / NVFP4; at 9898529 and
+    # (scripts/ab_moe_t1.py: three interleaved graph timings each, MXFP4 / NVFP4; at 9898529 and
     # 3d19fd3): the entry 44.2-44.8 / 46.2-47.4 us, BALANCE 44.9-45.2 / 46.3-46.8, TILED 43.6-43.8
     # / 42.5-42.7, TILED with BALANCE 44.0-44.3 / 42.7-42.9. SMEM_PAD, 32 KB of shared memory
     # held a program so that 6 fit an SM (and the L1, which x's fragments are read from, shrinks

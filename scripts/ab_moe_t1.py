@@ -1,0 +1,68 @@
+"""Same-process A/B of the T = 1 fused MoE decode (kernels/moe_mma2.py) against launch-key changes.
+
+    python3 scripts/ab_moe_t1.py '{"TILED": true}' '{"EARLY": false}' [--rounds 3]
+
+Each argument is a JSON object of moe_mma2 launch keys over the table's T = 1 config (the
+entry, which runs first). Every variant is timed ``--rounds`` times, the variants interleaved
+round by round (CUDA-graph replays after do_bench's L2 flush, as ``dsv4lab bench moe`` times
+them), so that a drift of the machine reaches them all alike; both formats, Flash's shape, one
+token. "same bits": the variant's output equals the entry's. A diagnosis aid (printouts), not
+the benchmark: runs on one machine have differed by ~1 us, runs on two leases of the same GPU
+type by ~2. The A/B printouts of scripts/tune_moe.py round 26 came from this script (at the
+commits named there: the keys it compared, BALANCE and SMEM_PAD, are gone from the kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
+from dsv4lab import bench
+from dsv4lab.benchmarks.moe import FLASH, _random_experts, experts_for
+from dsv4lab.kernels import moe as kmoe
+from dsv4lab.ops import route
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("launch", nargs="*", help="JSON objects of moe_mma2 launch keys")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("ab_moe_t1: needs a CUDA GPU")
+        return 2
+    dev = torch.device("cuda")
+    E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    variants = [("entry", {})] + [(a, json.loads(a)) for a in args.launch]
+    for fmt in ("mxfp4", "nvfp4"):
+        entry = kmoe.config_for(1, k, E, fmt)
+        ex = _random_experts(E, H, I, fmt, dev, gen)
+        glob = {n: v.to(dev).reshape(-1).expand(E).contiguous() for n, v in ex["kw"].items()}
+        gen_case = torch.Generator(device=dev).manual_seed(1)
+        ids, w = route(torch.randn(1, E, device=dev, generator=gen_case),
+                       torch.randn(E, device=dev, generator=gen_case) * 0.1, topk=k)
+        x = torch.randn(1, H, device=dev, generator=gen_case).to(torch.bfloat16)
+        calls, outs, times = {}, {}, {}
+        for name, keys in variants:
+            cfg = dict(entry, MMA2=dict(entry["MMA2"], **keys))
+            exv = experts_for(ex, cfg, fmt, 1)
+
+            def call(exv=exv, cfg=cfg):
+                return kmoe.fused_moe(x, exv["w13"], exv["w13_scale"], exv["w2"], exv["w2_scale"],
+                                      ids, w, fmt=fmt, swiglu_limit=10.0, config=cfg, **glob)
+            calls[name], outs[name], times[name] = call, call(), []
+        for _ in range(args.rounds):
+            for name, _keys in variants:
+                times[name].append(bench.time_graph(calls[name], warmup_ms=3, rep_ms=15)["ms"] * 1e3)
+        for name, _keys in variants:
+            print(f"{fmt} {name:<48} " + " ".join(f"{t:5.1f}" for t in times[name])
+                  + f" us  same bits {bool(torch.equal(outs[name], outs['entry']))}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
