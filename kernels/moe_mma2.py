@@ -213,8 +213,8 @@ counters left zero by each launch instead of zeroed by x's copy, so that only th
 waited for the copy, just before their K loops (tickets, routing, row maxima and the first ring
 loads under the copy): MXFP4 46.1-46.5 us against 46.0-46.2 for that build without PRE and
 44.7-45.6 for this kernel in the same runs, NVFP4 49.1-50.3 against 48.3-49.3 and 47.7-49.8;
-with TILED 44.5-44.9 against 45.1-45.5. Its timeline (``--timeline``, same
-tree; that build held 6 programs an SM): the gate/up loops start at 3.3 us and end at 19.5
+with TILED 44.5-44.9 against 45.1-45.5. Its timeline (``--timeline``, same tree, then
+without the L2 flush; that build held 6 programs an SM): the gate/up loops start at 3.3 us and end at 19.5
 (medians; the last at 22.8), their 52 MB at ~3.2 TB/s; the down loops start at 24.3-27.9 us,
 end by 35.3, and the launch ends at 37.9. The device's compile of the entry holds 148 registers
 (MXFP4, 7 programs an SM; NVFP4 166, 6); capped at 128 it spills and takes 51.5 us (NVFP4 58.1).
