@@ -6,7 +6,8 @@ Each argument is a JSON object of moe_mma2 launch keys over the table's T = 1 co
 entry, which runs first). Every variant is timed ``--rounds`` times, the variants interleaved
 round by round (CUDA-graph replays after do_bench's L2 flush, as ``dsv4lab bench moe`` times
 them), so that a drift of the machine reaches them all alike; both formats, Flash's shape, one
-token. "same bits": the variant's output equals the entry's. A diagnosis aid (printouts), not
+token. "same bits": the variant's output equals the entry's; "registers": those of the decode
+kernel the variant compiled (programs an SM are bounded by them). A diagnosis aid (printouts), not
 the benchmark: runs on one machine have differed by ~1 us, runs on two leases of the same GPU
 type by ~2. The A/B printouts of scripts/tune_moe.py round 26 came from this script (at the
 commits named there: the keys it compared, BALANCE and SMEM_PAD, are gone from the kernel).
@@ -26,6 +27,13 @@ from dsv4lab.kernels import moe as kmoe
 from dsv4lab.ops import route
 
 
+def _decode_kernels() -> dict:
+    """The compiled builds of moe_mma2's fused decode kernel so far: cache key -> kernel."""
+    from dsv4lab.kernels import moe_mma2
+    return {key: kern for cache in moe_mma2._decode_kernel.device_caches.values()
+            for key, kern in cache[0].items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("launch", nargs="*", help="JSON objects of moe_mma2 launch keys")
@@ -40,27 +48,33 @@ def main() -> int:
     variants = [("entry", {})] + [(a, json.loads(a)) for a in args.launch]
     for fmt in ("mxfp4", "nvfp4"):
         entry = kmoe.config_for(1, k, E, fmt)
-        ex = _random_experts(E, H, I, fmt, dev, gen)
-        glob = {n: v.to(dev).reshape(-1).expand(E).contiguous() for n, v in ex["kw"].items()}
+        ex = _random_experts(E, H, I, fmt, dev, gen)     # NVFP4's globals: [E] on dev already
         gen_case = torch.Generator(device=dev).manual_seed(1)
         ids, w = route(torch.randn(1, E, device=dev, generator=gen_case),
                        torch.randn(E, device=dev, generator=gen_case) * 0.1, topk=k)
         x = torch.randn(1, H, device=dev, generator=gen_case).to(torch.bfloat16)
-        calls, outs, times = {}, {}, {}
+        calls, outs, times, regs = {}, {}, {}, {}
         for name, keys in variants:
             cfg = dict(entry, MMA2=dict(entry["MMA2"], **keys))
             exv = experts_for(ex, cfg, fmt, 1)
 
             def call(exv=exv, cfg=cfg):
                 return kmoe.fused_moe(x, exv["w13"], exv["w13_scale"], exv["w2"], exv["w2_scale"],
-                                      ids, w, fmt=fmt, swiglu_limit=10.0, config=cfg, **glob)
+                                      ids, w, fmt=fmt, swiglu_limit=10.0, config=cfg,
+                                      **exv["kw"])
+            before = _decode_kernels()
             calls[name], outs[name], times[name] = call, call(), []
+            built = [kern for key, kern in _decode_kernels().items() if key not in before]
+            for kern in built:
+                kern._init_handles()        # n_regs is read when the kernel is loaded
+            regs[name] = ", ".join(str(kern.n_regs) for kern in built) or "as built before"
         for _ in range(args.rounds):
             for name, _keys in variants:
                 times[name].append(bench.time_graph(calls[name], warmup_ms=3, rep_ms=15)["ms"] * 1e3)
         for name, _keys in variants:
             print(f"{fmt} {name:<48} " + " ".join(f"{t:5.1f}" for t in times[name])
-                  + f" us  same bits {bool(torch.equal(outs[name], outs['entry']))}", flush=True)
+                  + f" us  same bits {bool(torch.equal(outs[name], outs['entry']))}"
+                  + f", registers {regs[name]}", flush=True)
     return 0
 
 
