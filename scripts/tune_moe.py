@@ -377,7 +377,10 @@ CANDIDATES = [
     # gain outside the run-to-run spread (~1 us) but TILED's ~0.5, against a counter set that
     # two streams must not share: not kept. The device's compile (its registers read from the
     # compiled kernel): 148 registers (b6740c2, MXFP4; 7 programs an SM), NVFP4 166 (6);
-    # MAXNREG 128 spills (4 / 24 words) and runs 51.5 / 58.1 us.
+    # MAXNREG 128 spills (4 / 24 words) and runs 51.5 / 58.1 us. Reproduced at 76cbdd1 by
+    # `python3 scripts/ab_moe_t1.py '{"TILED": true}' '{"MAXNREG": 128}'`: the entry 44.2-44.8 /
+    # 46.2-46.9 us at 148 / 166 registers, TILED 43.7-43.8 / 42.6-42.8, MAXNREG 128 50.0-50.2 /
+    # 57.2-57.4.
     # round 25 (session 18): round 12's geometries again with the entry's switches since
     # (EVICT, no L2 prefetch, EARLY): fewer gate/up tiles (SPLIT1 1: 384, so that more down
     # tiles are resident, their first loads issued, when the pairs complete), taller or split
