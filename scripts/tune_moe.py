@@ -409,6 +409,18 @@ CANDIDATES = [
     # with it): 52.7-52.9 / 57.4-57.7, with BALANCE 53.4-53.8 / 58.7-58.8; TILED 45.2-45.4 /
     # 44.0-44.1. The timed build (7 programs an SM) does not straggle as the stamped one does:
     # a timeline of a build with other registers is not the timed launch's.
+    # round 27 (session 19; scripts/moe_t1_diagnostics.patch, MIX): does the phase boundary cost
+    # the time? NOWAIT's down tiles skip the wait but still start only as gate/up programs exit;
+    # MIX also alternates gate/up and down tickets, so that both kinds stream at once from the
+    # launch's start (wrong results, timings only). Printout at a working tree of 61f6854,
+    # --only 157,158, MXFP4 / NVFP4: the entry 43.9 / 46.7 us, TILED 43.5 / 42.5; NOWAIT 42.9 /
+    # 45.3, TILED 42.4 / 41.2; NOWAIT with MIX 48.5 / 48.9, TILED 47.9 / 46.2 (slower); with
+    # LOADS_ONLY too 38.0 / 41.6, TILED 34.4 / 33.6, against LOADS_ONLY with NOWAIT 38.3 / 41.6,
+    # TILED 35.2 / 34.4. Mixing the phases gains nothing on the loads and costs ~5 us with the
+    # work: a launch without the boundary (each gate/up tile's down work started at once) is
+    # not the lead. A read-only probe in the same run (stream_read.rows_read, one-off, evict-first):
+    # the down rows read as 32-byte column slices (256 rows a program) 16.0 us against 13.6-13.9
+    # for 32 rows x 1 KB, 64-byte slices 13.7.
 ]
 
 
