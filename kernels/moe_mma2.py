@@ -1226,7 +1226,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, TILED=False, WS=False):
+              EVICT=False, EARLY=True, TILED=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1252,8 +1252,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``TILED`` (the fused launch with REGS only): w13, w2 and their scales are in
     :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one;
     ``"weights"``: the weights only (``pack_tile_major(..., scales=False)``).
-    ``WS`` (the fused launch only; sm_90+): :mod:`dsv4lab.kernels.moe_ws`'s warp-specialised
-    launch instead (its own tiles and splits: the keys above but PDL and EVICT unused there).
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1276,11 +1274,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             raise ValueError(f"moe_mma2: TILED={TILED!r} reads {name} in the "
                              f"{'packed' if packed else 'canonical'} layout, and it is in the "
                              f"{'canonical' if packed else 'packed'} one (pack_tile_major)")
-    if WS and (not FUSED or T > int(BM) or TILED or ACC_SCALE
-               or torch.cuda.get_device_capability(x.device) < (9, 0)):
-        raise ValueError("moe_mma2: WS is the fused launch's warp-specialised form (FUSED, at most "
-                         f"{int(BM)} tokens, canonical weights, no ACC_SCALE, sm_90+); got "
-                         f"FUSED={FUSED!r}, T={T}, TILED={TILED!r}, ACC_SCALE={ACC_SCALE!r}")
     if TILED and (not FUSED or T > int(BM) or REGS == 0):
         raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
                          f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "
@@ -1344,19 +1337,12 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         pdl = pdl_able if PDL is None else bool(PDL)
         if pdl and not pdl_able:
             raise ValueError("moe_mma2: PDL needs sm_90 or newer (griddepcontrol)")
-        if WS:      # moe_ws's tiles: gate/up 32 (and 32 up) rows, down 64
-            BN1, BN2 = 32, 64
         # the ticket, one count a pair, one a down row tile, one a gate/up row tile (see
         # _decode_kernel), zeroed by x's copy
         counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
         base._moe_xpre_zero_kernel[(T, triton.cdiv(H // 2, BX))](
             x, xp, counters, counters.numel(), H // 2, x.stride(0), xp.stride(0), BH=BX, PDL=pdl,
             num_warps=4)
-        if WS:
-            from dsv4lab.kernels import moe_ws
-            return moe_ws.decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
-                                 w2_global, swiglu_limit, x.dtype, counters, pdl,
-                                 **({} if WS is True else WS))
         return _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global,
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,

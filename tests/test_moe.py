@@ -1214,54 +1214,6 @@ def test_gpu_mma2_tiled_matches_reference(T, E, k, H, I, fmt, limit, routing, la
 
 @gpu
 @pytest.mark.gpu
-@settings(max_examples=14, deadline=None)
-@given(T=st.integers(1, 8),
-       ws=st.sampled_from([True, dict(nseg=2, ch=1, num_buf=4), dict(nseg=4, ch=2, num_buf=3),
-                           dict(nseg=8, ch=4, num_buf=4, evict=False)]),
-       **_MMA2_DRAWS)
-def test_gpu_ws_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, ws, seed):
-    # WS (kernels/moe_ws.py: one persistent program an SM, a producer warp group streaming the
-    # items' weights into a shared-memory ring, two consumer warp groups doing the register
-    # ring's math) against the fp32 reference, one token to 8, both formats, -1 slots, every
-    # token on one expert, with and without the clamp, items of 2 to 8 K-steps, rings 3 to 8
-    # stages deep; the same bits as the fused decode's register ring with its tiles and splits
-    # (same products, same sums), and two calls alike
-    from dsv4lab.kernels import moe_mma2, moe_ws
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-
-    def run(**launch):
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, FUSED=True, **kw, **launch)
-    if torch.cuda.get_device_capability() < (9, 0):
-        with pytest.raises(ValueError, match="WS is the fused launch's warp-specialised form"):
-            run(WS=ws)
-        return
-    out = run(WS=ws)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(run(WS=ws), out)
-    nseg = moe_ws.nseg_for(H, I, 8 if ws is True else ws["nseg"])
-    regs = run(BN1=32, BN2=64, SPLIT1=H // 128 // nseg, SPLIT2=I // 128 // nseg, num_warps=4,
-               REGS=4)
-    assert torch.equal(out, regs)
-
-
-@gpu
-@pytest.mark.gpu
-def test_gpu_ws_refuses_what_it_does_not_run():
-    # WS is the fused launch's form for at most 8 tokens and canonical weights: anything else
-    # is refused before a launch, naming the keys
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(9, 4, 2, 512, 512, "mxfp4", None, "random", 0)
-    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-    with pytest.raises(ValueError, match="WS is the fused launch's.*T=9"):
-        moe_mma2.fused_moe(*args, FUSED=True, WS=True, **kw)
-    with pytest.raises(ValueError, match="WS is the fused launch's.*FUSED=False"):
-        moe_mma2.fused_moe(*args[:0] + (x[:1],) + args[1:5] + (ids[:1], w[:1]), WS=True, **kw)
-
-
-@gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("launch", [dict(), dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2,
                                                  STAGES=3, NSPS=2, num_warps=2)])
