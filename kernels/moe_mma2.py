@@ -223,6 +223,14 @@ round 26): in the timeline after the L2 flush, the stamped build of the entry (8
 had its gate/up loops straggling to 29.2 us on the SMs that drew 8 of them, and a balanced
 build ended its launch at 39.2 us against 45.1; timed, 44.9-45.2 us against 44.2-44.8 (MXFP4;
 NVFP4 46.3-46.8 against 46.2-47.4): the timed build (7 an SM) does not straggle so.
+Nor did the phases streaming together (session 19; tune_moe round 27, a diagnostic build:
+gate/up and down tickets alternating, the down tiles not waiting): 48.5 us against 42.9 for the
+down tiles not waiting alone (MXFP4; NVFP4 48.9 / 45.3); and loads alone 38.0 against 38.3: the
+boundary between the phases is not what costs the time. Nor a warp-specialised launch (session
+19; tune_moe round 28, code on branch wip/moe-ws): a producer warp group per SM streaming every
+weight byte into a shared-memory ring while two consumer groups (8 warps) do this kernel's math
+on it, the same bits: 70.6 us at best against 44.5 (NVFP4 76.3 / 47.8). With 8 math warps an SM
+instead of 14 the decode runs at ~1.3 TB/s: the math needs the warps the loads here share.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
@@ -1305,8 +1313,13 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         raise ValueError("moe_mma2: EVICT applies to REGS's loads, and REGS resolved to 0 here "
                          "(the GPU does not convert fp8, or ACC_SCALE is on)")
     # a warp's mma rows: 16. REGS's fused gate/up tile runs its BN1 gate and BN1 up rows as one
-    # matrix of 2 BN1 rows, so BN1 may be half that there
-    low1 = 8 * num_warps if REGS and FUSED and T <= int(BM) else 16 * num_warps
+    # matrix of 2 BN1 rows and splits it on its top row bit, which must be a register bit of the
+    # accumulator: the mma's own (rows g and g + 8: BN1 8, one warp) or a repetition over the
+    # warps (2 BN1 >= 32 num_warps); with BN1 8 num_warps and more warps it is a warp's bit,
+    # which no compile can split
+    low1 = 16 * num_warps
+    if REGS and FUSED and T <= int(BM):
+        low1 = 8 if num_warps == 1 else 16 * num_warps
     for name, v, low in (("BN1", BN1, low1), ("BN2", BN2, 16 * num_warps)):
         if v < low or v & (v - 1):
             raise ValueError(f"moe_mma2: {name} must be a power of two >= {low} with num_warps "

@@ -421,7 +421,19 @@ CANDIDATES = [
     # not the lead. A read-only probe in the same run (stream_read.rows_read, one-off, evict-first):
     # the down rows read as 32-byte column slices (256 rows a program) 16.0 us against 13.6-13.9
     # for 32 rows x 1 KB, 64-byte slices 13.7.
-]
+    # round 28 (session 19; the code is on branch wip/moe-ws, 77e522d): WS, the fused decode
+    # warp-specialised (kernels/moe_ws.py there): one persistent program an SM, a producer warp
+    # group copying every item's weights by cp.async into a shared-memory ring of 8 stages
+    # (never waiting for activations, so the down weights stream during the last gate/up items),
+    # two consumer groups of 4 warps doing the register ring's decode and mma on the stages;
+    # items of 128 rows x NSEG K-steps handed out statically. Same bits as the entry at its
+    # splits (NSEG 16; Flash shape, both formats, one-off check). `python3 scripts/ab_moe_t1.py
+    # '{"WS": {"nseg": 16}}' '{"WS": true}' ...` at 77e522d, MXFP4 / NVFP4: the entry 44.1-45.0 /
+    # 46.4-47.8 us; WS NSEG 16 70.6 / 75.9-76.3, NSEG 8 79.1-79.7 / 86.0-86.4, NSEG 4 108.0 /
+    # 112.4, 6 stages 77.4 / 82.8, NSEG 16 with 4-step stages 73.1 / 80.5. About 2 us an item
+    # (epilogue round trips the consumers wait out) and ~62 us for the bytes: 8 math warps an SM
+    # (the entry's 14) decode at ~1.3 TB/s. The math, not the loads' issue, needs the warps.
+
 
 
 def short(cfg: dict) -> str:

@@ -1214,6 +1214,28 @@ def test_gpu_mma2_tiled_matches_reference(T, E, k, H, I, fmt, limit, routing, la
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_warps", [2, 4])
+def test_gpu_mma2_regs_half_tiles_need_register_bit(num_warps):
+    # REGS's fused gate/up tile splits its 2 BN1 rows into gate and up on the top row bit: with
+    # BN1 8 num_warps over 2+ warps that bit is a warp's and the split cannot compile, so the
+    # launcher refuses it, naming BN1 and the least it takes; 16 num_warps runs
+    from dsv4lab.kernels import moe_mma2
+    x, ex, ids, w, ref, kw = _mma2_drawn_case(1, 4, 2, 512, 512, "mxfp4", None, "random", 0)
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("REGS decodes with CVT8_WORD_ASM (sm_89+)")
+
+    def run(bn1):
+        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                                  FUSED=True, REGS=4, BN1=bn1, BN2=16 * num_warps,
+                                  num_warps=num_warps, **kw)
+    with pytest.raises(ValueError, match=f"BN1 must be a power of two >= {16 * num_warps} with "
+                                         f"num_warps {num_warps}, got {8 * num_warps}"):
+        run(8 * num_warps)
+    assert_close(run(16 * num_warps), ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("launch", [dict(), dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2,
                                                  STAGES=3, NSPS=2, num_warps=2)])
