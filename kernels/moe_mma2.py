@@ -1317,9 +1317,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     # accumulator: the mma's own (rows g and g + 8: BN1 8, one warp) or a repetition over the
     # warps (2 BN1 >= 32 num_warps); with BN1 8 num_warps and more warps it is a warp's bit,
     # which no compile can split
-    low1 = 16 * num_warps
-    if REGS and FUSED and T <= int(BM):
-        low1 = 8 if num_warps == 1 else 16 * num_warps
+    low1 = 8 if REGS and FUSED and T <= int(BM) and num_warps == 1 else 16 * num_warps
     for name, v, low in (("BN1", BN1, low1), ("BN2", BN2, 16 * num_warps)):
         if v < low or v & (v - 1):
             raise ValueError(f"moe_mma2: {name} must be a power of two >= {low} with num_warps "

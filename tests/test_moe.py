@@ -1220,9 +1220,9 @@ def test_gpu_mma2_regs_half_tiles_need_register_bit(num_warps):
     # BN1 8 num_warps over 2+ warps that bit is a warp's and the split cannot compile, so the
     # launcher refuses it, naming BN1 and the least it takes; 16 num_warps runs
     from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(1, 4, 2, 512, 512, "mxfp4", None, "random", 0)
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("REGS decodes with CVT8_WORD_ASM (sm_89+)")
+    x, ex, ids, w, ref, kw = _mma2_drawn_case(1, 4, 2, 512, 512, "mxfp4", None, "random", 0)
 
     def run(bn1):
         return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
