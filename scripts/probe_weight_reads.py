@@ -36,6 +36,9 @@ H200 printouts at 8703cfc (session 16, two runs): the tile-major layout (a tile'
 rows x 64 bytes, contiguous) 19.6 / 28.5 and 19.7 / 28.6 us against 23.4 / 33.2 and 23.6 / 33.5
 for the rows layout, 20.0 / 29.0 for 256 B a step; stream_read 20.7 / 21.0. The reason for
 moe_mma2's ``TILED`` (pack_tile_major), which gained less in the MoE itself.
+
+The down rows as column slices (session 19, evict-first; first read by a one-off script with
+these very calls at 61f6854's tree, then by this one): see tune_moe round 27.
 """
 from __future__ import annotations
 
@@ -73,6 +76,17 @@ def main() -> int:
         one = us(lambda: rows_read(gate_up, **gu))
         both = us(lambda: (rows_read(gate_up, **gu), rows_read(down, **dn)))
         print(f"  {tag}  {one:6.1f} us; then the down rows: {both:6.1f} us")
+    # the down rows read as column slices (a program: 32 or 64 bytes of many rows), as a launch
+    # that did each gate/up tile's down work at once (its K slice of every row) would read them
+    gu = dict(row_bytes=2048, rows=64, step=64, slices=2, evict=True)
+    for tag, dn in (("down rows, 32 rows x 1 KB a program      ", dict(rows=32, step=64, slices=1)),
+                    ("down columns, 256 rows x 32 B a program  ", dict(rows=256, step=32, slices=32)),
+                    ("down columns, 128 rows x 32 B a program  ", dict(rows=128, step=32, slices=32)),
+                    ("down columns, 256 rows x 64 B a program  ", dict(rows=256, step=64, slices=16))):
+        dn = dict(dn, row_bytes=1024, evict=True)
+        alone = us(lambda: rows_read(down, **dn))
+        after = us(lambda: (rows_read(gate_up, **gu), rows_read(down, **dn)))
+        print(f"  {tag} alone {alone:6.1f} us; after the gate/up rows {after:6.1f} us")
     return 0
 
 
