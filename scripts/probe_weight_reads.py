@@ -37,8 +37,10 @@ rows x 64 bytes, contiguous) 19.6 / 28.5 and 19.7 / 28.6 us against 23.4 / 33.2 
 for the rows layout, 20.0 / 29.0 for 256 B a step; stream_read 20.7 / 21.0. The reason for
 moe_mma2's ``TILED`` (pack_tile_major), which gained less in the MoE itself.
 
-The down rows as column slices (session 19, evict-first; first read by a one-off script with
-these very calls at 61f6854's tree, then by this one): see tune_moe round 27.
+The down rows as column slices (session 19, evict-first), H200 printout at 1c7e29b, alone /
+after the gate/up rows: 32 rows x 1 KB a program 14.2 / 33.2 us; 32-byte slices of 256 rows
+16.4 / 35.4, of 128 rows 15.6 / 35.0; 64-byte slices of 256 rows 13.8 / 32.8. A launch doing
+each gate/up tile's down work at once would read its down weights so (tune_moe round 27).
 """
 from __future__ import annotations
 

@@ -418,9 +418,10 @@ CANDIDATES = [
     # LOADS_ONLY too 38.0 / 41.6, TILED 34.4 / 33.6, against LOADS_ONLY with NOWAIT 38.3 / 41.6,
     # TILED 35.2 / 34.4. Mixing the phases gains nothing on the loads and costs ~5 us with the
     # work: a launch without the boundary (each gate/up tile's down work started at once) is
-    # not the lead. A read-only probe in the same run (stream_read.rows_read, one-off, evict-first):
-    # the down rows read as 32-byte column slices (256 rows a program) 16.0 us against 13.6-13.9
-    # for 32 rows x 1 KB, 64-byte slices 13.7.
+    # not the lead. A read-only probe in the same run (one-off, evict-first; the same calls are now
+    # scripts/probe_weight_reads.py's last four lines): the down rows read as 32-byte column slices
+    # (256 rows a program) 16.0 us against 13.6-13.9 for 32 rows x 1 KB, 64-byte slices 13.7;
+    # the script at 1c7e29b: 16.4, 14.2, 13.8 (128 rows x 32 B 15.6).
     # round 28 (session 19; the code is on branch wip/moe-ws, 77e522d): WS, the fused decode
     # warp-specialised (kernels/moe_ws.py there): one persistent program an SM, a producer warp
     # group copying every item's weights by cp.async into a shared-memory ring of 8 stages
