@@ -231,6 +231,14 @@ boundary between the phases is not what costs the time. Nor a warp-specialised l
 weight byte into a shared-memory ring while two consumer groups (8 warps) do this kernel's math
 on it, the same bits: 70.6 us at best against 44.5 (NVFP4 76.3 / 47.8). With 8 math warps an SM
 instead of 14 the decode runs at ~1.3 TB/s: the math needs the warps the loads here share.
+Nor TMA (session 20; tune_moe round 29, code on branch wip/moe-tma): every weight and scale
+byte brought by the tensor memory accelerator (sm_90+) into shared-memory stages of 4 K-steps,
+all warps doing this kernel's math on them, the loads never waiting for it and holding no
+registers (64-77 a thread), under the L2 evict-first policy; the same bits. MXFP4 / NVFP4, two
+stages a program (6 an SM) 46.6 / 50.1 us, with 4 warps and 64-row tiles 45.5 / 49.8, a whole
+tile in flight (3 an SM) 63.7 / 60.0, against the entry's 44.0-44.7 / 46.3-47.4 in the same
+run; each down tile's whole K slice requested before its wait 48.5 / 52.2. More bytes in
+flight, without a register cost, do not raise the rate.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

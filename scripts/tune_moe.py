@@ -434,6 +434,21 @@ CANDIDATES = [
     # 112.4, 6 stages 77.4 / 82.8, NSEG 16 with 4-step stages 73.1 / 80.5. About 2 us an item
     # (epilogue round trips the consumers wait out) and ~62 us for the bytes: 8 math warps an SM
     # (the entry's 14) decode at ~1.3 TB/s. The math, not the loads' issue, needs the warps.
+    # round 29 (session 20; the code is on branch wip/moe-tma, 5fe454f): TMA, the entry's steps
+    # with every weight and scale byte brought by TMA (sm_90+) into shared-memory stages of 4
+    # K-steps (256 bytes a row), NBUF stages a program, all warps doing the math; the loads
+    # never wait for it and need no registers (64-77 a thread against 148). The L2 evict-first
+    # policy on the TMA loads by the l2_hint PTX rewrite. Same bits as the entry (GPU hypothesis
+    # test on the branch, 47 passed with the REGS and TILED ones). `python3 scripts/ab_moe_t1.py
+    # '{"TMA": true, "NBUF": 2}' ...`, two interleaved rounds, MXFP4 / NVFP4: at 4f701a2 the entry
+    # 44.0-44.7 / 46.3-47.4 us; NBUF 4 (a whole tile in flight, 70 KB: 3 programs an SM) 63.7 /
+    # 60.0; NBUF 2 (6 an SM) 46.6-46.9 / 50.1-50.2; NBUF 1 (12 an SM) 65.2 / 65.4; 4 warps, BN1 /
+    # BN2 64, NBUF 2 45.5 / 49.8; SPLIT1 4, SPLIT2 2, NBUF 2 48.0 / 49.0; without the L2 hint
+    # 1.5 / 2.4 us slower. At 5d8de1f, each down tile's whole K slice requested before it waits
+    # for its activations: NBUF 2 48.5 / 52.2 against the entry's 44.1-44.7 / 46.6-47.5, 4 warps
+    # 47.0 / 52.1. Bytes in flight without a register cost do not raise the rate; 6 warps an SM
+    # (NBUF 4) lose 20 us; the down weights requested early take bandwidth from the gate/up ones
+    # (as RESIDENT's did, round 18).
 
 
 
