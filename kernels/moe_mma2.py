@@ -658,21 +658,11 @@ def _load_hints(EVICT):
 
 @gluon.jit
 def _regs_step(acc, p, sb, smax, xr, xm, k, nseg, cx, IS_NV: gl.constexpr, BN: gl.constexpr,
-               WW: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr,
-               ONLINE: gl.constexpr = False):
-    """REGS: (acc plus K-step k of the words ``p`` and scale bytes ``sb``, the rows' scale
-    reference); a step past the slice (k >= nseg, the unrolled loop's tail) multiplies zeros
-    of x and adds nothing. ``ONLINE`` (MXFP4): the reference ``smax`` is the largest scale
-    byte of each row so far, raised by this step's before its decode, the accumulator
-    multiplied by 2**(old - new) (exact: a power of two), so that no prologue has to read
-    the slice's scales first; after the last step it is the slice's row maximum."""
+               WW: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr):
+    """REGS: acc plus K-step k of the words ``p`` and scale bytes ``sb``; a step past the
+    slice (k >= nseg, the unrolled loop's tail) multiplies zeros of x and adds nothing."""
     NS: gl.constexpr = sb.type.shape[2]
     GS: gl.constexpr = 16 // NS
-    if ONLINE:
-        new = gl.maximum(smax, gl.max(gl.max(sb.to(gl.int32), axis=2), axis=1))
-        drop = (gl.maximum(smax - new + 127, 0) << 23).to(gl.float32, bitcast=True)
-        acc = acc * gl.convert_layout(drop, gl.SliceLayout(1, acc.type.layout))[:, None]
-        smax = new
     live = xm & (k < nseg)
     xe = _to_b_operand(gl.load(xr[:, None] + (k * 128 + cx)[None, :], mask=live, other=0.0), B_OP)
     xo = _to_b_operand(gl.load(xr[:, None] + (k * 128 + 64 + cx)[None, :], mask=live, other=0.0),
@@ -681,7 +671,7 @@ def _regs_step(acc, p, sb, smax, xr, xm, k, nseg, cx, IS_NV: gl.constexpr, BN: g
     mult, wd = gl.broadcast(gl.expand_dims(_mult(sb, smax[:, None, None], IS_NV), 3), wd)
     lo, hi = _decode_words(wd, mult, BN, NS, GS)
     acc = mma_v2(_to_a_operand(lo, BN, A_OP), xe, acc)
-    return mma_v2(_to_a_operand(hi, BN, A_OP), xo, acc), smax
+    return mma_v2(_to_a_operand(hi, BN, A_OP), xo, acc)
 
 
 @triton.constexpr_function
@@ -738,7 +728,7 @@ def _ring_start(w, s, nseg, IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.cons
 def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg,
                  IS_NV: gl.constexpr, BN: gl.constexpr, RING: gl.constexpr,
                  num_warps: gl.constexpr, EVICT: gl.constexpr = False,
-                 TILED: gl.constexpr = False, ONLINE: gl.constexpr = False):
+                 TILED: gl.constexpr = False):
     """:func:`_k_loop` for one matrix of BN rows without shared memory (``REGS``; the CVT8
     decode, sm_89+): every lane loads the weight words and scale bytes it decodes straight
     into registers, ``RING`` (2 or 4) K-steps of them in flight, and its x fragments from
@@ -748,9 +738,7 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     warp runs its own chain, and the programs an SM holds are bounded by registers, not
     shared memory. Gate and up run as one matrix of 2 BN1 rows (see :func:`_decode_kernel`);
     every row is valid (the fused launch's row tiles divide the matrix). The ring's first
-    RING steps (pa, sa ...) come from :func:`_ring_start`. ``TILED``: see :func:`_load_step`.
-    Returns (acc, the rows' MXFP4 scale reference: ``smax``, or with ``ONLINE`` the one the
-    steps raised from 0, see :func:`_regs_step`)."""
+    RING steps (pa, sa ...) come from :func:`_ring_start`. ``TILED``: see :func:`_load_step`."""
     W: gl.constexpr = num_warps
     MMA: gl.constexpr = _mma_layout(W)
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -769,21 +757,21 @@ def _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, x_rows, xmask, nseg
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
     if RING == 2:
         for k in range(0, nseg, 2):
-            acc, smax = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP, ONLINE)
+            acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 2, last), cw, t4, si, NSC, NS, EVICT, TILED)
-            acc, smax = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP, ONLINE)
+            acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 3, last), cw, t4, si, NSC, NS, EVICT, TILED)
     else:
         for k in range(0, nseg, 4):
-            acc, smax = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP, ONLINE)
+            acc = _regs_step(acc, pa, sa, smax, xr, xm, k, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pa, sa = _load_step(w_rows, s_rows, gl.minimum(k + 4, last), cw, t4, si, NSC, NS, EVICT, TILED)
-            acc, smax = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP, ONLINE)
+            acc = _regs_step(acc, pb, sb, smax, xr, xm, k + 1, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pb, sb = _load_step(w_rows, s_rows, gl.minimum(k + 5, last), cw, t4, si, NSC, NS, EVICT, TILED)
-            acc, smax = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP, ONLINE)
+            acc = _regs_step(acc, pc, sc, smax, xr, xm, k + 2, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pc, sc = _load_step(w_rows, s_rows, gl.minimum(k + 6, last), cw, t4, si, NSC, NS, EVICT, TILED)
-            acc, smax = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP, ONLINE)
+            acc = _regs_step(acc, pd, sd, smax, xr, xm, k + 3, nseg, cx, IS_NV, BN, WW, A_OP, B_OP)
             pd, sd = _load_step(w_rows, s_rows, gl.minimum(k + 7, last), cw, t4, si, NSC, NS, EVICT, TILED)
-    return acc, gl.convert_layout(smax, gl.SliceLayout(1, MMA))
+    return acc
 
 
 @gluon.jit
@@ -812,8 +800,7 @@ def _mma_layout(W):
 @gluon.jit
 def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, stride_se,
                  stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-                 ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False,
-                 ONLINE: gl.constexpr = False):
+                 ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False):
     """This program's BN rows of expert e's matrix at w_ptr / s_ptr, from its K slice
     (NSEG steps of slice sp): ``(offs_n, nmask, first weight bytes, first scale bytes,
     MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``, [BN] each, in the accumulator's row
@@ -822,15 +809,14 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
     offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
     nmask = offs_n < n_rows
     w, s, smax = _rows_at(w_ptr, s_ptr, e, offs_n, nmask, sp, NSEG, stride_we, stride_wn,
-                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE, TILED, ONLINE)
+                          stride_se, stride_sn, IS_NV, BN, num_warps, ACC_SCALE, TILED)
     return offs_n, nmask, w, s, smax
 
 
 @gluon.jit
 def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, stride_se, stride_sn,
              IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr,
-             ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False,
-             ONLINE: gl.constexpr = False):
+             ACC_SCALE: gl.constexpr = False, TILED: gl.constexpr = False):
     """Rows ``rows`` (valid where ``nmask``; [BN], the accumulator's row layout) of expert e's
     matrix at w_ptr / s_ptr, from K slice sp (NSEG steps): ``(first weight bytes, first scale
     bytes, MXFP4 row maxima (0 for NVFP4 and with ACC_SCALE))``. ``TILED``: the matrix in
@@ -850,7 +836,7 @@ def _rows_at(w_ptr, s_ptr, e, rows, nmask, sp, NSEG, stride_we, stride_wn, strid
              + sp * NSEG * 16 * NSC)
     else:
         s = s_ptr + e64 * stride_se + r64 * stride_sn + sp * NSEG * NSC
-    if IS_NV or ACC_SCALE or ONLINE:      # (ONLINE: the K loop raises it from 0)
+    if IS_NV or ACC_SCALE:
         smax = gl.zeros([BN], gl.int32, layout=COLL)
     else:
         smax = gl.convert_layout(_row_smax(s, nmask, NSEG * NSC, BN, num_warps,
@@ -1022,7 +1008,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
                   BN1: gl.constexpr, SPLIT1: gl.constexpr, STAGES: gl.constexpr,
                   NSPS1: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr,
                   ACC_SCALE: gl.constexpr, REGS: gl.constexpr, EVICT: gl.constexpr,
-                  TILED: gl.constexpr = False, ONLINE: gl.constexpr = False):
+                  TILED: gl.constexpr = False):
     """Gate/up tile ``tile`` of :func:`_decode_kernel` (its pair p, BN1 row tile pn, K slice
     sp): the gate and up rows' dot products with the token, the split-K sum by the last
     slice, the SwiGLU into act[p], and pair p's count released."""
@@ -1044,12 +1030,12 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
             own = pn * BN1 + r % BN1
             w, sc, smax = _rows_at(w13_ptr, s13_ptr, e, own + (r // BN1) * I, own < I, sp,
                                    nseg1, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
-                                   IS_NV, 2 * BN1, num_warps, False, TILED, ONLINE)
+                                   IS_NV, 2 * BN1, num_warps, False, TILED)
             pa, sa, pb, sb, pc, sc2, pd, sd = _ring_start(w, sc, nseg1, IS_NV, 2 * BN1, REGS,
                                                           num_warps, EVICT, TILED)
             _stamp(stamps_ptr, tile, 2, num_warps)
-            acc, smax = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
-                                     nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT, TILED, ONLINE)
+            acc = _k_loop_regs(w, sc, pa, sa, pb, sb, pc, sc2, pd, sd, smax, x_rows, xmask,
+                               nseg1, IS_NV, 2 * BN1, REGS, num_warps, EVICT, TILED)
             _stamp(stamps_ptr, tile, 3, num_warps)
             acc = _undo_scales(acc, smax, g13_ptr, e, IS_NV)
             # rows 2 BN1 -> (gate, up): the top row bit is a register repetition of MMA
@@ -1104,7 +1090,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                STAGES: gl.constexpr, NSPS2: gl.constexpr, PREFETCH: gl.constexpr,
                ASM: gl.constexpr, num_warps: gl.constexpr, ACC_SCALE: gl.constexpr,
                REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr,
-               TILED: gl.constexpr = False, ONLINE: gl.constexpr = False):
+               TILED: gl.constexpr = False):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
     ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
     the last tile of its rows sums them over the pairs into out."""
@@ -1120,7 +1106,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         col = m == t
         _, nmask, w, s, smax = _weight_rows(w2_ptr, s2_ptr, e, pn, sp, H, nseg2, stride_w2e,
                                             stride_w2n, stride_s2e, stride_s2n, IS_NV, BN2,
-                                            num_warps, ACC_SCALE, TILED, ONLINE)
+                                            num_warps, ACC_SCALE, TILED)
         if REGS and EARLY:    # the ring's first weight bytes requested before the wait
             pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
                                                          num_warps, EVICT, TILED)
@@ -1136,8 +1122,8 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
             if not EARLY:
                 pa, sa, pb, sb, pc, sc, pd, sd = _ring_start(w, s, nseg2, IS_NV, BN2, REGS,
                                                              num_warps, EVICT, TILED)
-            acc, smax = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask,
-                                     nseg2, IS_NV, BN2, REGS, num_warps, EVICT, TILED, ONLINE)
+            acc = _k_loop_regs(w, s, pa, sa, pb, sb, pc, sc, pd, sd, smax, a_rows, amask, nseg2,
+                               IS_NV, BN2, REGS, num_warps, EVICT, TILED)
         else:
             acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                   IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
@@ -1171,8 +1157,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                    NSPS2: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, ACC_SCALE: gl.constexpr = False,
                    PDL: gl.constexpr = False, REGS: gl.constexpr = 0, EVICT: gl.constexpr = False,
-                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False,
-                   ONLINE: gl.constexpr = False):
+                   EARLY: gl.constexpr = True, TILED: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= BM) in one launch, without grouping: every
     (token, slot) pair is its own block of one token, in column t of the mma tile.
 
@@ -1225,13 +1210,13 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
                       stamps_ptr, tile, m, P, TOPK, I, n_tiles1, n_tiles2, nseg1, stride_xt,
                       stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_act,
                       stride_part, swiglu_limit, IS_NV, HAS_LIMIT, BN1, SPLIT1, STAGES, NSPS1,
-                      ASM, num_warps, ACC_SCALE, REGS, EVICT, TILED, ONLINE)
+                      ASM, num_warps, ACC_SCALE, REGS, EVICT, TILED)
     else:
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2,
                    nseg2, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y,
                    stride_out, IS_NV, BN2, SPLIT2, STAGES, NSPS2, PREFETCH, ASM, num_warps,
-                   ACC_SCALE, REGS, EVICT, EARLY, TILED, ONLINE)
+                   ACC_SCALE, REGS, EVICT, EARLY, TILED)
 
 
 def supported(x, H: int, I: int, tensors=()) -> str | None:
@@ -1257,7 +1242,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, TILED=False, ONLINE=False):
+              EVICT=False, EARLY=True, TILED=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1330,9 +1315,6 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     if REGS and not cvt8_ok:
         raise ValueError("moe_mma2: REGS decodes with CVT8_WORD_ASM, which needs sm_89 or newer "
                          "(cvt.f16x2.e5m2x2) and CVT8 not False")
-    if ONLINE and not REGS:
-        raise ValueError("moe_mma2: ONLINE raises the MXFP4 scale reference in the register "
-                         "ring's steps, and REGS resolved to 0 here")
     if EVICT is None:     # evict-first where the register ring loads the weights
         EVICT = bool(REGS)
     if EVICT and not REGS:
@@ -1384,8 +1366,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
                              w2_global, swiglu_limit, x.dtype, BN1, BN2, split1, split2, STAGES,
                              nsps1, nsps2, PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl,
                              int(REGS), MAXNREG, bool(EVICT), bool(EARLY),
-                             1 if TILED == "weights" else 2 if TILED else 0,
-                             bool(ONLINE) and not is_nv)
+                             1 if TILED == "weights" else 2 if TILED else 0)
     base._moe_xpre_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0),
                                                        BH=BX, PLANES=2, SEG=True, num_warps=4)
     sorted_pair, block_expert, block_start, block_count = base.moe_align(ids, E, int(BM))
@@ -1425,7 +1406,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
 def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_global, w2_global,
                   swiglu_limit, out_dtype, BN1, BN2, split1, split2, STAGES, nsps1, nsps2,
                   PREFETCH, num_warps, CVT8, ACC_SCALE, counters, pdl, regs=0, maxnreg=None,
-                  evict=False, early=True, tiled=0, online=False):
+                  evict=False, early=True, tiled=0):
     """:func:`_decode_kernel` on x's copy ``xp`` and its zeroed ``counters`` (T <= BM tokens;
     the splits already picked); ``pdl``: as the copy's programmatic dependent launch."""
     H = xp.shape[1]
@@ -1454,7 +1435,7 @@ def _fused_decode(xp, T, w13, w13_scale, w2, w2_scale, ids, tw, is_nv, w13_globa
         STAGES=STAGES, NSPS1=nsps1, NSPS2=nsps2, PREFETCH=PREFETCH,
         ASM=CVT8_RAW_ASM if ACC_SCALE else _decode_asm(dev, CVT8), num_warps=num_warps,
         ACC_SCALE=bool(ACC_SCALE), PDL=pdl, REGS=regs, EVICT=evict, EARLY=early, TILED=tiled,
-        ONLINE=online, launch_pdl=pdl,
+        launch_pdl=pdl,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return out
 

@@ -1342,37 +1342,3 @@ def test_gpu_mma2_default_in_graph(fmt):
     assert_close(run(), ref, torch.bfloat16)
     graph, out = bench.capture_graph(run)
     _replay_on_new_routing(graph, out, x, ex, ids, w, fmt, T, seeds=[0])
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=12, deadline=None)
-@given(T=st.integers(1, 8),
-       launch=st.sampled_from([dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
-                                    PREFETCH=False),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2),
-                               dict(BN1=8, BN2=16, SPLIT1=2, num_warps=1, REGS=4)]),
-       **_MMA2_DRAWS)
-def test_gpu_mma2_online_scale_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
-    # ONLINE (the register ring's MXFP4 scale reference raised step by step instead of read
-    # from the slice's scales first) against the fp32 reference, one token to 8, both formats
-    # (NVFP4 has no reference to raise), -1 slots, every token on one expert, with and without
-    # the clamp, rings 2 and 4 deep, split K: the same bits as the prologue's row maxima (the
-    # accumulator is only ever multiplied by powers of two). Without the ring it is refused
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-
-    def run(**change):
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, FUSED=True, **kw,
-                                  **dict(launch, **change))
-    if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
-            run(ONLINE=True)
-        return
-    out = run(ONLINE=True)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(out, run())
-    with pytest.raises(ValueError, match="ONLINE raises the MXFP4 scale reference"):
-        run(ONLINE=True, REGS=0, EVICT=False)
