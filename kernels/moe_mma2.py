@@ -239,6 +239,10 @@ stages a program (6 an SM) 46.6 / 50.1 us, with 4 warps and 64-row tiles 45.5 / 
 tile in flight (3 an SM) 63.7 / 60.0, against the entry's 44.0-44.7 / 46.3-47.4 in the same
 run; each down tile's whole K slice requested before its wait 48.5 / 52.2. More bytes in
 flight, without a register cost, do not raise the rate.
+Nor the MXFP4 row maxima read first (session 20; tune_moe round 30, code on branch
+wip/moe-online): each row's scale reference raised step by step in the ring instead (the
+accumulator multiplied by exact powers of two; the same bits) took 46.4-46.6 us against the
+entry's 44.4-44.8, and with TILED 43.6-43.8 against 43.7-43.9.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

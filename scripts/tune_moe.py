@@ -449,6 +449,16 @@ CANDIDATES = [
     # 47.0 / 52.1. Bytes in flight without a register cost do not raise the rate; 6 warps an SM
     # (NBUF 4) lose 20 us; the down weights requested early take bandwidth from the gate/up ones
     # (as RESIDENT's did, round 18).
+    # round 30 (session 20; the code is on branch wip/moe-online, 0fa573e): ONLINE, the MXFP4
+    # scale reference of each row raised step by step in the register ring (the accumulator
+    # multiplied by 2**(old - new), exact) instead of read first from the slice's scales (the
+    # row-maxima prologue, a DRAM round trip before each tile's ring loads go out): the same bits
+    # (GPU hypothesis test on the branch, 15 passed with the fused-decode ones); offline sm_90
+    # SASS: 132 registers against 142, gate/up loop 1353 -> 1481 instructions, down 710 -> 775.
+    # `python3 scripts/ab_moe_t1.py '{"ONLINE": true}' '{"ONLINE": true, "TILED": true}'
+    # '{"TILED": true}' --rounds 3` at 0fa573e, MXFP4: the entry 44.4-44.8 us, ONLINE 46.4-46.6,
+    # TILED 43.7-43.9, TILED with ONLINE 43.6-43.8 (NVFP4, which has no prologue, unchanged:
+    # 46.5-47.5 / 46.4-46.7, TILED 42.7-43.0). The prologue is not what MXFP4 pays for.
 
 
 
