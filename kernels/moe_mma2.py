@@ -238,7 +238,10 @@ registers (64-77 a thread), under the L2 evict-first policy; the same bits. MXFP
 stages a program (6 an SM) 46.6 / 50.1 us, with 4 warps and 64-row tiles 45.5 / 49.8, a whole
 tile in flight (3 an SM) 63.7 / 60.0, against the entry's 44.0-44.7 / 46.3-47.4 in the same
 run; each down tile's whole K slice requested before its wait 48.5 / 52.2. More bytes in
-flight, without a register cost, do not raise the rate.
+flight, without a register cost, do not raise the rate. Its loads alone (stages awaited,
+nothing read; a diagnostic) take 34.0-36.4 us, as fast as the register ring's loads of the
+packed layout (35.2; the canonical layout's 38.0-39.5): with TMA the math is what is left, and
+smaller tiles with more warps an SM (up to 24) are slower still (54.7-62.3).
 Nor the MXFP4 row maxima read first (session 20; tune_moe round 30, code on branch
 wip/moe-online): each row's scale reference raised step by step in the ring instead (the
 accumulator multiplied by exact powers of two; the same bits) took 46.4-46.6 us against the

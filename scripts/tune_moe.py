@@ -448,7 +448,17 @@ CANDIDATES = [
     # for its activations: NBUF 2 48.5 / 52.2 against the entry's 44.1-44.7 / 46.6-47.5, 4 warps
     # 47.0 / 52.1. Bytes in flight without a register cost do not raise the rate; 6 warps an SM
     # (NBUF 4) lose 20 us; the down weights requested early take bandwidth from the gate/up ones
-    # (as RESIDENT's did, round 18).
+    # (as RESIDENT's did, round 18). Then a diagnostic (branch wip/moe-tma-diag, de0d6f7, wrong
+    # results on purpose; down tiles not waiting): the TMA stages only awaited, nothing read,
+    # NBUF 1 / 2 / 4 34.0 / 34.9 / 36.4 us (NVFP4 39.5 / 37.9 / 36.6), against the register
+    # ring's loads alone 38.0-39.5 (TILED 35.2) in the same run: TMA streams the canonical
+    # layout as fast as the ring streams the packed one, so with it the math is what is left.
+    # More math warps an SM, then (ILV at 299b210: gate and up rows interleaved 8 by 8, a warp
+    # one 16-row mma block, half the shared memory a warp, up to 24 warps an SM): NBUF 2 / 3 / 4
+    # 56.6 / 58.9 / 54.7 (NVFP4 56.8 / 56.8 / 58.9), 4 warps BN1 32 BN2 64 62.3 / 59.2, SPLIT1 4
+    # SPLIT2 2 46.2 / 48.8, against the entry's 44.2-44.7 / 46.5-47.2. Smaller tiles with more
+    # warps are slower still: the math is not paced by warps an SM alone (each warp's x loads,
+    # the tiles' epilogues and counters grow as the tiles shrink).
     # round 30 (session 20; the code is on branch wip/moe-online, 0fa573e): ONLINE, the MXFP4
     # scale reference of each row raised step by step in the register ring (the accumulator
     # multiplied by 2**(old - new), exact) instead of read first from the slice's scales (the
