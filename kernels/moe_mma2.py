@@ -241,7 +241,8 @@ run; each down tile's whole K slice requested before its wait 48.5 / 52.2. More 
 flight, without a register cost, do not raise the rate. Its loads alone (stages awaited,
 nothing read; a diagnostic) take 34.0-36.4 us, as fast as the register ring's loads of the
 packed layout (35.2; the canonical layout's 38.0-39.5): with TMA the math is what is left, and
-smaller tiles with more warps an SM (up to 24) are slower still (54.7-62.3).
+smaller tiles with more warps an SM (up to 24) are slower still (54.7-62.3), and so are the
+entry's 14 warps an SM on stages of 2 K-steps (51.2-51.6).
 Nor the MXFP4 row maxima read first (session 20; tune_moe round 30, code on branch
 wip/moe-online): each row's scale reference raised step by step in the ring instead (the
 accumulator multiplied by exact powers of two; the same bits) took 46.4-46.6 us against the

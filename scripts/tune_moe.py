@@ -458,7 +458,9 @@ CANDIDATES = [
     # 56.6 / 58.9 / 54.7 (NVFP4 56.8 / 56.8 / 58.9), 4 warps BN1 32 BN2 64 62.3 / 59.2, SPLIT1 4
     # SPLIT2 2 46.2 / 48.8, against the entry's 44.2-44.7 / 46.5-47.2. Smaller tiles with more
     # warps are slower still: the math is not paced by warps an SM alone (each warp's x loads,
-    # the tiles' epilogues and counters grow as the tiles shrink).
+    # the tiles' epilogues and counters grow as the tiles shrink). And the entry's warps with
+    # TMA (667551c: stages of 2 K-steps, NBUF 3, 28 KB, 7 programs an SM): 51.2-51.6 / 56.8-57.2
+    # against 48.7-49.1 / 50.6-51.0 for KS 4 NBUF 2 and the entry's 44.3-45.0 / 46.8-48.0.
     # round 30 (session 20; the code is on branch wip/moe-online, 0fa573e): ONLINE, the MXFP4
     # scale reference of each row raised step by step in the register ring (the accumulator
     # multiplied by 2**(old - new), exact) instead of read first from the slice's scales (the
