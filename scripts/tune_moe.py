@@ -471,7 +471,7 @@ CANDIDATES = [
     # '{"TILED": true}' --rounds 3` at 0fa573e, MXFP4: the entry 44.4-44.8 us, ONLINE 46.4-46.6,
     # TILED 43.7-43.9, TILED with ONLINE 43.6-43.8 (NVFP4, which has no prologue, unchanged:
     # 46.5-47.5 / 46.4-46.7, TILED 42.7-43.0). The prologue is not what MXFP4 pays for.
-
+]
 
 
 def short(cfg: dict) -> str:
