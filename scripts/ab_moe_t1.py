@@ -22,9 +22,8 @@ import torch
 
 import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
 from dsv4lab import bench
-from dsv4lab.benchmarks.moe import FLASH, _random_experts, experts_for
+from dsv4lab.benchmarks.moe import FLASH, _random_experts, experts_for, token_case
 from dsv4lab.kernels import moe as kmoe
-from dsv4lab.ops import route
 
 
 def _decode_kernels() -> dict:
@@ -50,9 +49,7 @@ def main() -> int:
         entry = kmoe.config_for(1, k, E, fmt)
         ex = _random_experts(E, H, I, fmt, dev, gen)     # NVFP4's globals: [E] on dev already
         gen_case = torch.Generator(device=dev).manual_seed(1)
-        ids, w = route(torch.randn(1, E, device=dev, generator=gen_case),
-                       torch.randn(E, device=dev, generator=gen_case) * 0.1, topk=k)
-        x = torch.randn(1, H, device=dev, generator=gen_case).to(torch.bfloat16)
+        ids, w, x = token_case(1, E, H, k, dev, gen_case)
         calls, outs, times, regs = {}, {}, {}, {}
         for name, keys in variants:
             cfg = dict(entry, MMA2=dict(entry["MMA2"], **keys))

@@ -29,9 +29,9 @@ import torch  # noqa: E402
 
 from dsv4lab import bench, runtime  # noqa: E402
 from dsv4lab.benchmarks.moe import (FLASH, _quantised_experts, _random_experts, fp4_bytes,  # noqa: E402
-                                    experts_for)
+                                    experts_for, token_case)
 from dsv4lab.kernels import moe as kmoe  # noqa: E402
-from dsv4lab.ops import fused_moe, route  # noqa: E402
+from dsv4lab.ops import fused_moe  # noqa: E402
 
 LIMIT = 10.0
 TOL = 1.2e-2          # x is bf16-valued and the output is bf16: as tests/test_moe.py
@@ -525,9 +525,7 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(1)
     cases = {}
     for T in tokens:
-        ids, w = route(torch.randn(T, E, device=dev, generator=gen),
-                       torch.randn(E, device=dev, generator=gen) * 0.1, topk=k)
-        x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+        ids, w, x = token_case(T, E, H, k, dev, gen)
         hit = int(torch.unique(ids).numel())
         refs = {}
         for fmt, ex in experts.items():

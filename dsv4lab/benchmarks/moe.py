@@ -210,6 +210,17 @@ def experts_for(ex: dict, cfg: dict | None, fmt: str, T: int) -> dict:
     return ex[key]
 
 
+def token_case(T: int, E: int, H: int, topk: int, dev, gen: torch.Generator):
+    """One decode step's routing and input as the MoE benchmarks draw them from ``gen``: T
+    tokens' router logits and a small selection bias, routed (sqrt-softplus, top-k), then x in
+    bf16 -> (topk_ids, topk_weights, x). Shared by ``dsv4lab bench moe``, scripts/tune_moe.py
+    and scripts/ab_moe_t1.py, so that their cases are drawn alike."""
+    logits = torch.randn(T, E, device=dev, generator=gen)
+    bias = torch.randn(E, device=dev, generator=gen) * 0.1
+    ids, w = route(logits, bias, topk=topk)
+    return ids, w, torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+
+
 @bench.benchmark("moe", "FP4 MoE at the Flash shape: Triton MXFP4/NVFP4 vs torch reference vs bf16")
 def bench_moe(smoke: bool) -> list[dict]:
     dev = runtime.device()
@@ -226,12 +237,9 @@ def bench_moe(smoke: bool) -> list[dict]:
     w13_bf16, w2_bf16 = _dequant_bf16(experts["mxfp4"], E)
     rows = []
     for T in tokens:
-        logits = torch.randn(T, E, device=dev, generator=gen)
-        bias = torch.randn(E, device=dev, generator=gen) * 0.1
-        ids, w = route(logits, bias, topk=k)
+        ids, w, x = token_case(T, E, H, k, dev, gen)
         hit = int(torch.unique(ids).numel())
         pairs = ids.numel()
-        x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
         for fmt in ("mxfp4", "nvfp4"):
             ex = experts[fmt]
 
