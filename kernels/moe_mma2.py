@@ -1091,7 +1091,7 @@ def _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr,
 
 
 @gluon.jit
-def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypair_ptr, out_ptr,
+def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypair_ptr, out_ptr,
                ctr_ptr, stamps_ptr, m, P, T, TOPK, H, n_tiles1, n_tiles2, nseg2, stride_w2e,
                stride_w2n, stride_s2e, stride_s2n, stride_act, stride_y, stride_out,
                IS_NV: gl.constexpr, BN2: gl.constexpr, SPLIT2: gl.constexpr,
@@ -1100,8 +1100,9 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                REGS: gl.constexpr, EVICT: gl.constexpr, EARLY: gl.constexpr,
                TILED: gl.constexpr = False):
     """Down tile ``d`` of :func:`_decode_kernel` (its pair p, BN2 row tile pn, K slice sp;
-    ``row``: its timeline row): pair p's activations times the rows, weighted, into ypair;
-    the last tile of its rows sums them over the pairs into out."""
+    ``ticket``: the program's ticket, its row of the timeline's stamps): pair p's activations
+    times the rows, weighted, into ypair; the last tile of its rows sums them over the pairs
+    into out."""
     MMA: gl.constexpr = _mma_layout(num_warps)
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
     sp = d % SPLIT2
@@ -1121,7 +1122,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         if PREFETCH:
             _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
         _wait_count(ctr_ptr + 1 + p, n_tiles1)
-        _stamp(stamps_ptr, row, 2, num_warps)
+        _stamp(stamps_ptr, ticket, 2, num_warps)
         a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
         amask = col
         if ACC_SCALE:
@@ -1135,7 +1136,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
         else:
             acc, unused = _k_loop(w, s, nmask, smax, w, s, nmask, smax, a_rows, amask, nseg2,
                                   IS_NV, BN2, 1, STAGES, NSPS2, ASM, num_warps, ACC_SCALE)
-        _stamp(stamps_ptr, row, 3, num_warps)
+        _stamp(stamps_ptr, ticket, 3, num_warps)
         wt = gl.load(topk_w_ptr + p).to(gl.float32)
         y = _undo_scales(acc, smax, g2_ptr, e, IS_NV, ACC_SCALE) * wt
         gl.store(_pair_tile(ypair_ptr, sp * P + p, stride_y, offs_h, m), y, mask=col[None, :])
@@ -1151,7 +1152,7 @@ def _down_tile(d, row, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, ypa
                                  mask=live, other=0.0, cache_modifier=".cg")
         gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
                  total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
-    _stamp(stamps_ptr, row, 4, num_warps)
+    _stamp(stamps_ptr, ticket, 4, num_warps)
 
 
 @gluon.jit

@@ -34,8 +34,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
-from dsv4lab.benchmarks.moe import FLASH, VARIANTS, _random_experts, experts_for
-from dsv4lab.ops import fused_moe, route
+from dsv4lab.benchmarks.moe import FLASH, VARIANTS, _random_experts, experts_for, token_case
+from dsv4lab.ops import fused_moe
 
 
 def _kernel_times(fn, reps: int) -> dict[str, float]:
@@ -97,8 +97,7 @@ def main() -> None:
     if args.cases:
         cases = [c for c in cases if c[0] in args.cases]
     for T in args.tokens:
-        ids, w = route(torch.randn(T, E, device=dev, generator=gen), None, topk=k)
-        x = torch.randn(T, H, device=dev, generator=gen).to(torch.bfloat16)
+        ids, w, x = token_case(T, E, H, k, dev, gen)
         for name, backend, cfg in cases:
             def call():
                 return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
@@ -116,13 +115,13 @@ def main() -> None:
 
 def _t1_case(config):
     """The T = 1 case of the timeline and --graph: MXFP4 experts (packed as ``config`` reads
-    them), one token's routing and x, and the call."""
+    them), one token's routing and x drawn by the benchmarks' ``token_case`` (its selection
+    bias included), and the call."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     E, H, I, k = FLASH["E"], FLASH["H"], FLASH["I"], FLASH["topk"]
     ex = experts_for(_random_experts(E, H, I, "mxfp4", dev, gen), config, "mxfp4", 1)
-    ids, w = route(torch.randn(1, E, device=dev, generator=gen), None, topk=k)
-    x = torch.randn(1, H, device=dev, generator=gen).to(torch.bfloat16)
+    ids, w, x = token_case(1, E, H, k, dev, gen)
     return lambda: fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                              fmt="mxfp4", swiglu_limit=10.0, backend="triton",
                              kernel_config=config)
