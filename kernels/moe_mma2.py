@@ -227,26 +227,39 @@ Nor did the phases streaming together (session 19; tune_moe round 27, a diagnost
 gate/up and down tickets alternating, the down tiles not waiting): 48.5 us against 42.9 for the
 down tiles not waiting alone (MXFP4; NVFP4 48.9 / 45.3); and loads alone 38.0 against 38.3: the
 boundary between the phases is not what costs the time. Nor a warp-specialised launch (session
-19; tune_moe round 28, code on branch wip/moe-ws): a producer warp group per SM streaming every
-weight byte into a shared-memory ring while two consumer groups (8 warps) do this kernel's math
-on it, the same bits: 70.6 us at best against 44.5 (NVFP4 76.3 / 47.8). With 8 math warps an SM
-instead of 14 the decode runs at ~1.3 TB/s: the math needs the warps the loads here share.
-Nor TMA (session 20; tune_moe round 29, code on branch wip/moe-tma): every weight and scale
-byte brought by the tensor memory accelerator (sm_90+) into shared-memory stages of 4 K-steps,
-all warps doing this kernel's math on them, the loads never waiting for it and holding no
-registers (64-77 a thread), under the L2 evict-first policy; the same bits. MXFP4 / NVFP4, two
-stages a program (6 an SM) 46.6 / 50.1 us, with 4 warps and 64-row tiles 45.5 / 49.8, a whole
-tile in flight (3 an SM) 63.7 / 60.0, against the entry's 44.0-44.7 / 46.3-47.4 in the same
-run; each down tile's whole K slice requested before its wait 48.5 / 52.2. More bytes in
-flight, without a register cost, do not raise the rate. Its loads alone (stages awaited,
+19; tune_moe round 28, code at 77e522d, reverted by f39571d): a producer warp group per SM
+streaming every weight byte into a shared-memory ring while two consumer groups (8 warps) do
+this kernel's math on it, the same bits: 70.6 us at best against 44.5 (NVFP4 76.3 / 47.8). With
+8 math warps an SM instead of 14 the decode runs at ~1.3 TB/s: the math needs the warps the
+loads here share.
+Nor TMA (session 20; tune_moe round 29; its code was on a local branch that was not kept): every
+weight and scale byte brought by the tensor memory accelerator (sm_90+) into shared-memory
+stages of 4 K-steps, all warps doing this kernel's math on them, the loads never waiting for it
+and holding no registers (64-77 a thread), under the L2 evict-first policy; the same bits. MXFP4
+/ NVFP4, two stages a program (6 an SM) 46.6 / 50.1 us, with 4 warps and 64-row tiles 45.5 /
+49.8, a whole tile in flight (3 an SM) 63.7 / 60.0, against the entry's 44.0-44.7 / 46.3-47.4 in
+the same run; each down tile's whole K slice requested before its wait 48.5 / 52.2. More bytes
+in flight, without a register cost, do not raise the rate. Its loads alone (stages awaited,
 nothing read; a diagnostic) take 34.0-36.4 us, as fast as the register ring's loads of the
 packed layout (35.2; the canonical layout's 38.0-39.5): with TMA the math is what is left, and
 smaller tiles with more warps an SM (up to 24) are slower still (54.7-62.3), and so are the
 entry's 14 warps an SM on stages of 2 K-steps (51.2-51.6).
-Nor the MXFP4 row maxima read first (session 20; tune_moe round 30, code on branch
-wip/moe-online): each row's scale reference raised step by step in the ring instead (the
+Nor the MXFP4 row maxima read first (session 20; tune_moe round 30, code at 0fa573e, reverted by
+91febd0): each row's scale reference raised step by step in the ring instead (the
 accumulator multiplied by exact powers of two; the same bits) took 46.4-46.6 us against the
 entry's 44.4-44.8, and with TILED 43.6-43.8 against 43.7-43.9.
+Nor would a cheaper decode (session 21; tune_moe round 31, diagnostic builds of
+scripts/moe_t1_diagnostics.patch, wrong results on purpose). The loop's math without its weight
+loads (MATH_ONLY) takes 39.4-39.9 us, as long as the loads without the math (38.3-38.6; the
+entry 44.0-44.5); Nsight Compute (scripts/ncu_moe_t1.py) counts 14.9 M warp instructions for the
+entry, about two thirds of them the decode's (LOP3, F2FP, HMUL2, IMAD), one issued every 6
+cycles a warp. A decode cut from ~15 instructions a word to ~3 (FAKEDEC: 41% fewer
+instructions), held to the entry's 7 programs an SM, took 41.4-41.5 us (packed layout, 128
+registers: 39.8); without the scale multiplies (RAWDEC) 43.9-44.3. A decode 2.5x cheaper is
+worth ~3 us, and the canonical layout's loads through the ring alone are over 0.5's 37.8 us: the
+design costed for it (the weights bit-placed as e4m3 into an FP8 ``mma.sync`` with x split
+exactly into two e4m3 halves, ~10 instructions a word against ~25) cannot reach 0.5 with these
+loads.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

@@ -422,7 +422,7 @@ CANDIDATES = [
     # scripts/probe_weight_reads.py's last four lines): the down rows read as 32-byte column slices
     # (256 rows a program) 16.0 us against 13.6-13.9 for 32 rows x 1 KB, 64-byte slices 13.7;
     # the script at 1c7e29b: 16.4, 14.2, 13.8 (128 rows x 32 B 15.6).
-    # round 28 (session 19; the code is on branch wip/moe-ws, 77e522d): WS, the fused decode
+    # round 28 (session 19; the code at 77e522d, reverted by f39571d): WS, the fused decode
     # warp-specialised (kernels/moe_ws.py there): one persistent program an SM, a producer warp
     # group copying every item's weights by cp.async into a shared-memory ring of 8 stages
     # (never waiting for activations, so the down weights stream during the last gate/up items),
@@ -434,34 +434,34 @@ CANDIDATES = [
     # 112.4, 6 stages 77.4 / 82.8, NSEG 16 with 4-step stages 73.1 / 80.5. About 2 us an item
     # (epilogue round trips the consumers wait out) and ~62 us for the bytes: 8 math warps an SM
     # (the entry's 14) decode at ~1.3 TB/s. The math, not the loads' issue, needs the warps.
-    # round 29 (session 20; the code is on branch wip/moe-tma, 5fe454f): TMA, the entry's steps
-    # with every weight and scale byte brought by TMA (sm_90+) into shared-memory stages of 4
-    # K-steps (256 bytes a row), NBUF stages a program, all warps doing the math; the loads
-    # never wait for it and need no registers (64-77 a thread against 148). The L2 evict-first
-    # policy on the TMA loads by the l2_hint PTX rewrite. Same bits as the entry (GPU hypothesis
-    # test on the branch, 47 passed with the REGS and TILED ones). `python3 scripts/ab_moe_t1.py
-    # '{"TMA": true, "NBUF": 2}' ...`, two interleaved rounds, MXFP4 / NVFP4: at 4f701a2 the entry
-    # 44.0-44.7 / 46.3-47.4 us; NBUF 4 (a whole tile in flight, 70 KB: 3 programs an SM) 63.7 /
-    # 60.0; NBUF 2 (6 an SM) 46.6-46.9 / 50.1-50.2; NBUF 1 (12 an SM) 65.2 / 65.4; 4 warps, BN1 /
-    # BN2 64, NBUF 2 45.5 / 49.8; SPLIT1 4, SPLIT2 2, NBUF 2 48.0 / 49.0; without the L2 hint
-    # 1.5 / 2.4 us slower. At 5d8de1f, each down tile's whole K slice requested before it waits
-    # for its activations: NBUF 2 48.5 / 52.2 against the entry's 44.1-44.7 / 46.6-47.5, 4 warps
-    # 47.0 / 52.1. Bytes in flight without a register cost do not raise the rate; 6 warps an SM
-    # (NBUF 4) lose 20 us; the down weights requested early take bandwidth from the gate/up ones
-    # (as RESIDENT's did, round 18). Then a diagnostic (branch wip/moe-tma-diag, de0d6f7, wrong
-    # results on purpose; down tiles not waiting): the TMA stages only awaited, nothing read,
-    # NBUF 1 / 2 / 4 34.0 / 34.9 / 36.4 us (NVFP4 39.5 / 37.9 / 36.6), against the register
-    # ring's loads alone 38.0-39.5 (TILED 35.2) in the same run: TMA streams the canonical
-    # layout as fast as the ring streams the packed one, so with it the math is what is left.
-    # More math warps an SM, then (ILV at 299b210: gate and up rows interleaved 8 by 8, a warp
-    # one 16-row mma block, half the shared memory a warp, up to 24 warps an SM): NBUF 2 / 3 / 4
-    # 56.6 / 58.9 / 54.7 (NVFP4 56.8 / 56.8 / 58.9), 4 warps BN1 32 BN2 64 62.3 / 59.2, SPLIT1 4
-    # SPLIT2 2 46.2 / 48.8, against the entry's 44.2-44.7 / 46.5-47.2. Smaller tiles with more
-    # warps are slower still: the math is not paced by warps an SM alone (each warp's x loads,
-    # the tiles' epilogues and counters grow as the tiles shrink). And the entry's warps with
-    # TMA (667551c: stages of 2 K-steps, NBUF 3, 28 KB, 7 programs an SM): 51.2-51.6 / 56.8-57.2
-    # against 48.7-49.1 / 50.6-51.0 for KS 4 NBUF 2 and the entry's 44.3-45.0 / 46.8-48.0.
-    # round 30 (session 20; the code is on branch wip/moe-online, 0fa573e): ONLINE, the MXFP4
+    # round 29 (session 20; the code was on a local branch, wip/moe-tma, not kept): TMA, the entry's
+    # steps with every weight and scale byte brought by TMA (sm_90+) into shared-memory stages of 4
+    # K-steps (256 bytes a row), NBUF stages a program, all warps doing the math; the loads never
+    # wait for it and need no registers (64-77 a thread against 148). The L2 evict-first policy on
+    # the TMA loads by the l2_hint PTX rewrite. Same bits as the entry (GPU hypothesis test on the
+    # branch, 47 passed with the REGS and TILED ones). `python3 scripts/ab_moe_t1.py '{"TMA": true,
+    # "NBUF": 2}' ...`, two interleaved rounds, MXFP4 / NVFP4: at 4f701a2 the entry 44.0-44.7 /
+    # 46.3-47.4 us; NBUF 4 (a whole tile in flight, 70 KB: 3 programs an SM) 63.7 / 60.0; NBUF 2 (6
+    # an SM) 46.6-46.9 / 50.1-50.2; NBUF 1 (12 an SM) 65.2 / 65.4; 4 warps, BN1 / BN2 64, NBUF 2
+    # 45.5 / 49.8; SPLIT1 4, SPLIT2 2, NBUF 2 48.0 / 49.0; without the L2 hint 1.5 / 2.4 us slower.
+    # At 5d8de1f, each down tile's whole K slice requested before it waits for its activations: NBUF
+    # 2 48.5 / 52.2 against the entry's 44.1-44.7 / 46.6-47.5, 4 warps 47.0 / 52.1. Bytes in flight
+    # without a register cost do not raise the rate; 6 warps an SM (NBUF 4) lose 20 us; the down
+    # weights requested early take bandwidth from the gate/up ones (as RESIDENT's did, round 18).
+    # Then a diagnostic (branch wip/moe-tma-diag, not kept, wrong results on purpose; down tiles not
+    # waiting): the TMA stages only awaited, nothing read, NBUF 1 / 2 / 4 34.0 / 34.9 / 36.4 us
+    # (NVFP4 39.5 / 37.9 / 36.6), against the register ring's loads alone 38.0-39.5 (TILED 35.2) in
+    # the same run: TMA streams the canonical layout as fast as the ring streams the packed one, so
+    # with it the math is what is left. More math warps an SM, then (ILV at 299b210: gate and up
+    # rows interleaved 8 by 8, a warp one 16-row mma block, half the shared memory a warp, up to 24
+    # warps an SM): NBUF 2 / 3 / 4 56.6 / 58.9 / 54.7 (NVFP4 56.8 / 56.8 / 58.9), 4 warps BN1 32 BN2
+    # 64 62.3 / 59.2, SPLIT1 4 SPLIT2 2 46.2 / 48.8, against the entry's 44.2-44.7 / 46.5-47.2.
+    # Smaller tiles with more warps are slower still: the math is not paced by warps an SM alone
+    # (each warp's x loads, the tiles' epilogues and counters grow as the tiles shrink). And the
+    # entry's warps with TMA (667551c: stages of 2 K-steps, NBUF 3, 28 KB, 7 programs an SM):
+    # 51.2-51.6 / 56.8-57.2 against 48.7-49.1 / 50.6-51.0 for KS 4 NBUF 2 and the entry's 44.3-45.0
+    # / 46.8-48.0.
+    # round 30 (session 20; the code at 0fa573e, reverted by 91febd0): ONLINE, the MXFP4
     # scale reference of each row raised step by step in the register ring (the accumulator
     # multiplied by 2**(old - new), exact) instead of read first from the slice's scales (the
     # row-maxima prologue, a DRAM round trip before each tile's ring loads go out): the same bits
@@ -471,6 +471,31 @@ CANDIDATES = [
     # '{"TILED": true}' --rounds 3` at 0fa573e, MXFP4: the entry 44.4-44.8 us, ONLINE 46.4-46.6,
     # TILED 43.7-43.9, TILED with ONLINE 43.6-43.8 (NVFP4, which has no prologue, unchanged:
     # 46.5-47.5 / 46.4-46.7, TILED 42.7-43.0). The prologue is not what MXFP4 pays for.
+    # round 31 (session 21; diagnostic builds of scripts/moe_t1_diagnostics.patch at f085752,
+    # wrong results on purpose; `DSV4LAB_MOE_<SWITCH>=1 python3 scripts/ab_moe_t1.py ...`,
+    # printouts, MXFP4 / NVFP4 us; a switch reaches every build in its process, so the entry's
+    # figures come from runs without it in the same lease: 43.9-44.5 / 46.4-47.5, TILED
+    # 43.2-43.4 / 42.7-42.8):
+    # - MATH_ONLY (the REGS loop without its weight loads; x's loads, the row maxima and the
+    #   ring's first four K-steps kept): 39.4-39.9 / 39.3-39.5, TILED 39.2-39.5 / 38.3-39.5,
+    #   with NOWAIT 39.4-39.6 / 38.5-39.3; the loads alone (LOADS_ONLY with NOWAIT) 38.3-38.6 /
+    #   41.6-42.7, TILED 35.1-35.2 / 34.5-34.6. The math alone takes as long as the loads alone.
+    # - Nsight Compute (scripts/ncu_moe_t1.py, MXFP4, clocks at base, 1.38 GHz): the entry
+    #   48.8 us, 14.9 M warp instructions (LOP3 17%, F2FP 16%, HMUL2 16%, IMAD 15%, SHF 4%, LDG
+    #   4%, HMMA 4%), 6.0 cycles a warp between issues, stalls long scoreboard 28%, wait 17%,
+    #   barrier 10%; MATH_ONLY 43.7 us, 13.2 M, wait 25%, long scoreboard 22%; LOADS_ONLY
+    #   35.4 us, long scoreboard 64%; FAKEDEC 49.7 us, 8.8 M.
+    # - FAKEDEC (the decode cut from ~15 instructions a word to ~3: a shift, a multiply, moves):
+    #   45.7-46.2 / 48.6-49.1 at 179 registers (5 programs an SM); capped at 144 (7 an SM, as
+    #   the entry) 41.4-41.5 / 49.3-49.5, at 128 42.9-43.1 / 54.7-54.8, TILED at 128 39.8 /
+    #   47.6-47.9. RAWDEC (the scale multiplies dropped; 126 registers): 43.9-44.3 / 44.2-44.5,
+    #   TILED 43.4-43.5 / 42.2.
+    # A decode 2.5x cheaper at the entry's occupancy is worth ~3 us (MXFP4 41.4), and the
+    # canonical layout's loads alone through the ring (38.3-38.6) are over 0.5's 37.8 us. The
+    # design costed for the decode (the nibbles bit-placed as e4m3, 7 instructions a word, into
+    # an FP8 mma.sync m16n8k32 whose 8 columns hold x's two exact e4m3 halves for the lane
+    # quad's four scale blocks, the block scales as 4 FFMA a K-step and lane: ~10 instructions
+    # a word against ~25) is therefore not built: with these loads it cannot reach 0.5.
 ]
 
 
