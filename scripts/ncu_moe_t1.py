@@ -8,24 +8,20 @@ Profiles one call of kernels/moe_mma2.py's ``_decode_kernel`` (the table's T = 1
 packs them) at Flash's shape, after warm-up calls, with ``ncu`` (SpeedOfLight, WarpStateStats,
 SourceCounters; ncu locks the clocks to base and flushes the caches before the profiled call).
 Prints the kernel's duration and throughputs, the stall samples by reason and the instructions
-with the most samples (as scripts/ncu_sparse_mla.py does), then the executed warp instructions
-by opcode. The diagnostic builds of scripts/moe_t1_diagnostics.patch are profiled the same way
+with the most samples, then the executed warp instructions by opcode (scripts/ncu_report.py
+reads the report). The diagnostic builds of scripts/moe_t1_diagnostics.patch are profiled the same way
 (their switches in the environment). Records nothing: a printout.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import re
-import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ncu_sparse_mla import _num, summarise  # noqa: E402
+import ncu_report  # noqa: E402
 
 
 def drive(fmt: str, launch: str | None, calls: int) -> None:
@@ -51,28 +47,6 @@ def drive(fmt: str, launch: str | None, calls: int) -> None:
     torch.cuda.synchronize()
 
 
-def opcodes(source_csv: Path, top: int) -> None:
-    """Executed warp instructions by opcode (predicates and modifiers dropped)."""
-    rows = list(csv.reader(source_csv.open()))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    cols = {name: i for i, name in enumerate(rows[head])}
-    executed = next((c for c in cols if c.startswith("Warp Instructions Executed")
-                     or c == "Instructions Executed"), None)
-    if executed is None:
-        print("no executed-instruction column in the source page:", sorted(cols)[:12])
-        return
-    count = Counter()
-    for r in rows[head + 1:]:
-        if len(r) != len(rows[head]):
-            continue
-        op = re.sub(r"^@!?U?P\w+\s+", "", r[cols["Source"]].strip()).split(" ")[0].split(".")[0]
-        count[op] += _num(r[cols[executed]])
-    total = sum(count.values()) or 1.0
-    print(f"{total:.0f} warp instructions executed ({executed}); by opcode:")
-    for op, v in count.most_common(top):
-        print(f"  {op:10s} {v:12.0f} {100 * v / total:5.1f}%")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fmt", default="mxfp4", choices=("mxfp4", "nvfp4"))
@@ -85,30 +59,13 @@ def main() -> int:
     if args.drive:
         drive(args.fmt, args.launch, args.calls)
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = out / "report"
-    cmd = ["ncu", "--kernel-name", "regex:_decode_kernel", "--launch-skip", str(args.calls - 2),
-           "--launch-count", "1", "--section", "SpeedOfLight", "--section", "WarpStateStats",
-           "--section", "SourceCounters", "-f", "-o", str(report), sys.executable, __file__,
-           "--drive", "--fmt", args.fmt, "--calls", str(args.calls)]
+    driver = [sys.executable, __file__, "--drive", "--fmt", args.fmt, "--calls", str(args.calls)]
     if args.launch:
-        cmd += ["--launch", args.launch]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        print(run.stdout[-2000:], run.stderr[-2000:])
-        return run.returncode
-    details = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--page", "details"],
-                             capture_output=True, text=True).stdout
-    for line in details.splitlines():
-        if re.search(r"SM Frequency|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)"
-                     r"|Warp Cycles Per Issued|Issue Slot|Active Warps|Eligible", line):
-            print(line.strip())
-    source = out / "source.csv"
-    source.write_text(subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--page", "source", "--csv",
-                                      "--print-source", "sass"], capture_output=True, text=True).stdout)
-    summarise(source, args.top)
-    opcodes(source, 20)
+        driver += ["--launch", args.launch]
+    source = ncu_report.profile("_decode_kernel", driver, args.calls, Path(args.out), args.top)
+    if source is None:
+        return 1
+    ncu_report.opcodes(source, 20)
     return 0
 
 
