@@ -471,8 +471,8 @@ CANDIDATES = [
     # '{"TILED": true}' --rounds 3` at 0fa573e, MXFP4: the entry 44.4-44.8 us, ONLINE 46.4-46.6,
     # TILED 43.7-43.9, TILED with ONLINE 43.6-43.8 (NVFP4, which has no prologue, unchanged:
     # 46.5-47.5 / 46.4-46.7, TILED 42.7-43.0). The prologue is not what MXFP4 pays for.
-    # round 31 (session 21; diagnostic builds of scripts/moe_t1_diagnostics.patch at f085752,
-    # wrong results on purpose; `DSV4LAB_MOE_<SWITCH>=1 python3 scripts/ab_moe_t1.py ...`,
+    # round 31 (session 21; diagnostic builds of scripts/moe_t1_diagnostics.patch at d9db561,
+    # FAKEDEC at f085752, wrong results on purpose; `DSV4LAB_MOE_<SWITCH>=1 python3 scripts/ab_moe_t1.py ...`,
     # printouts, MXFP4 / NVFP4 us; a switch reaches every build in its process, so the entry's
     # figures come from runs without it in the same lease: 43.9-44.5 / 46.4-47.5, TILED
     # 43.2-43.4 / 42.7-42.8):
