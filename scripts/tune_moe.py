@@ -472,10 +472,10 @@ CANDIDATES = [
     # TILED 43.7-43.9, TILED with ONLINE 43.6-43.8 (NVFP4, which has no prologue, unchanged:
     # 46.5-47.5 / 46.4-46.7, TILED 42.7-43.0). The prologue is not what MXFP4 pays for.
     # round 31 (session 21; diagnostic builds of scripts/moe_t1_diagnostics.patch at d9db561,
-    # FAKEDEC at f085752, wrong results on purpose; `DSV4LAB_MOE_<SWITCH>=1 python3 scripts/ab_moe_t1.py ...`,
-    # printouts, MXFP4 / NVFP4 us; a switch reaches every build in its process, so the entry's
-    # figures come from runs without it in the same lease: 43.9-44.5 / 46.4-47.5, TILED
-    # 43.2-43.4 / 42.7-42.8):
+    # FAKEDEC at f085752, wrong results on purpose; `DSV4LAB_MOE_<SWITCH>=1 python3
+    # scripts/ab_moe_t1.py ...`, printouts, MXFP4 / NVFP4 us; a switch reaches every build in its
+    # process, so the entry's figures come from runs without it in the same lease: 43.9-44.5 /
+    # 46.4-47.5, TILED 43.2-43.4 / 42.7-42.8):
     # - MATH_ONLY (the REGS loop without its weight loads; x's loads, the row maxima and the
     #   ring's first four K-steps kept): 39.4-39.9 / 39.3-39.5, TILED 39.2-39.5 / 38.3-39.5,
     #   with NOWAIT 39.4-39.6 / 38.5-39.3; the loads alone (LOADS_ONLY with NOWAIT) 38.3-38.6 /
