@@ -259,7 +259,12 @@ registers: 39.8); without the scale multiplies (RAWDEC) 43.9-44.3. A decode 2.5x
 worth ~3 us, and the canonical layout's loads through the ring alone are over 0.5's 37.8 us: the
 design costed for it (the weights bit-placed as e4m3 into an FP8 ``mma.sync`` with x split
 exactly into two e4m3 halves, ~10 instructions a word against ~25) cannot reach 0.5 with these
-loads.
+loads. What is left is the pair: the cheap decode's math alone (MATH_ONLY with FAKEDEC) takes
+29.1-30.3 us, TMA's loads alone took 34.0 (above), and the register ring's loads and math have
+overlapped to within 3-5 us of the slower of the two (44.2 against 39.5; 41.4 against 38.4). If
+TMA's loads overlapped a cheap decode as well, a launch would land near 37-39 us, at 0.5's edge
+(TMA with this kernel's decode took 45.5). Gluon's ``mma_v2`` takes float8e4nv operands (k_width
+4) and emits ``mma.sync.m16n8k32...e4m3.e4m3.f32`` for sm_90 (offline compile, Triton 3.9).
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

@@ -496,6 +496,13 @@ CANDIDATES = [
     # an FP8 mma.sync m16n8k32 whose 8 columns hold x's two exact e4m3 halves for the lane
     # quad's four scale blocks, the block scales as 4 FFMA a K-step and lane: ~10 instructions
     # a word against ~25) is therefore not built: with these loads it cannot reach 0.5.
+    # Then (same lease, at e63a3dc) MATH_ONLY with FAKEDEC, the cheap decode's math alone:
+    # 29.1-29.4 / 28.6-28.9 at 168 registers, 30.2-30.3 / 29.2-29.3 capped at 144 (TILED 29.8 /
+    # 28.0), with NOWAIT 29.4-29.6 / 28.1. The ring's loads and math overlap to within 3-5 us of
+    # the slower half (44.2 against 39.5, 41.4 against 38.4); TMA's loads alone took 34.0 (round
+    # 29), so TMA loads under an FP8 decode would land near 37-39 us if they overlapped as well:
+    # the one pair left with a chance, at the edge of 0.5. Gluon's mma_v2 takes float8e4nv
+    # operands (k_width 4) and emits mma.sync.m16n8k32 e4m3 for sm_90 (offline, Triton 3.9).
 ]
 
 
