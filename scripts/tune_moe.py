@@ -503,6 +503,18 @@ CANDIDATES = [
     # 29), so TMA loads under an FP8 decode would land near 37-39 us if they overlapped as well:
     # the one pair left with a chance, at the edge of 0.5. Gluon's mma_v2 takes float8e4nv
     # operands (k_width 4) and emits mma.sync.m16n8k32 e4m3 for sm_90 (offline, Triton 3.9).
+    # The FP8 decode as costed (for whoever builds it): lane (g, t) keeps its 16-byte load of
+    # a row's K-step (MXFP4 block t); chunk c of the step (one m16n8k32) takes word c of every
+    # lane, a0 / a1 its low nibbles (rows g, g + 8), a2 / a3 its high ones, each nibble placed
+    # as e4m3 s 0 0 e1 e0 m 0 0 (exact: value * 2**-6; subnormals included). B's column 2 b +
+    # part holds part (the hi or lo e4m3 half; bf16 = hi + lo exactly, within range) of x's
+    # elements of block b, zero elsewhere: B lane (g', t') loads its 8 bytes when g' // 2 == t'.
+    # After the step's 4 mma from a zero accumulator, lane (g, t)'s columns 2 t, 2 t + 1 hold
+    # block t's hi and lo dots for rows g and g + 8, which its own scale bytes (times x's block
+    # scale) multiply into the running fp32 sums: 4 FFMA a step and m16 tile; the columns are
+    # summed over the quad once a tile. NVFP4 (two blocks a lane): the scales after chunks 0-1
+    # and 2-3. x's copy writes the hi / lo halves with a power-of-two scale per 32-element
+    # block; the gate/up epilogue writes act alike (BN1 32 rows = one block of the down K).
 ]
 
 
