@@ -14,7 +14,6 @@ reads the report). The diagnostic builds of scripts/moe_t1_diagnostics.patch are
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -48,13 +47,9 @@ def drive(fmt: str, launch: str | None, calls: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ncu_report.parser(__doc__, "build/ncu_moe_t1", calls=6)
     ap.add_argument("--fmt", default="mxfp4", choices=("mxfp4", "nvfp4"))
     ap.add_argument("--launch", default=None, help="JSON of moe_mma2 launch keys over the config")
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--out", default="build/ncu_moe_t1")
-    ap.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--calls", type=int, default=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.drive:
         drive(args.fmt, args.launch, args.calls)

@@ -6,6 +6,7 @@ ncu locks the clocks to base and flushes the caches before the profiled launch. 
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import re
 import subprocess
@@ -14,6 +15,17 @@ from pathlib import Path
 
 DETAILS = (r"SM Frequency|Duration|DRAM Throughput|L2 Cache Throughput|Compute \(SM\)"
            r"|Warp Cycles Per Issued")
+
+
+def parser(doc: str, out: str, calls: int) -> argparse.ArgumentParser:
+    """The profiling scripts' common arguments: --top, --out and the driver's hidden --drive and
+    --calls (the script runs itself under ncu with --drive)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--calls", type=int, default=calls, help=argparse.SUPPRESS)
+    return ap
 
 
 def profile(kernel_regex: str, driver: list[str], calls: int, out: Path, top: int) -> Path | None:
@@ -41,6 +53,15 @@ def profile(kernel_regex: str, driver: list[str], calls: int, out: Path, top: in
     return source
 
 
+def _source(source_csv: Path) -> tuple[dict[str, int], list[list[str]]]:
+    """ncu's source page (``--page source --csv --print-source sass``) -> (column index by
+    name, the instruction rows)."""
+    rows = list(csv.reader(source_csv.open()))
+    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    cols = {name: i for i, name in enumerate(rows[head])}
+    return cols, [r for r in rows[head + 1:] if len(r) == len(rows[head])]
+
+
 def _num(text: str) -> float:
     try:
         return float(text.replace(",", ""))
@@ -50,10 +71,7 @@ def _num(text: str) -> float:
 
 def summarise(source_csv: Path, top: int) -> None:
     """Print the stall samples of ncu's source page (``--page source --csv --print-source sass``)."""
-    rows = list(csv.reader(source_csv.open()))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    cols = {name: i for i, name in enumerate(rows[head])}
-    data = [r for r in rows[head + 1:] if len(r) == len(rows[head])]
+    cols, data = _source(source_csv)
     samples = cols["Warp Stall Sampling (All Samples)"]
     reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
     base = int(data[0][cols["Address"]], 16)
@@ -80,18 +98,14 @@ def summarise(source_csv: Path, top: int) -> None:
 
 def opcodes(source_csv: Path, top: int) -> None:
     """Executed warp instructions by opcode (predicates and modifiers dropped)."""
-    rows = list(csv.reader(source_csv.open()))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    cols = {name: i for i, name in enumerate(rows[head])}
+    cols, data = _source(source_csv)
     executed = next((c for c in cols if c.startswith("Warp Instructions Executed")
                      or c == "Instructions Executed"), None)
     if executed is None:
         print("no executed-instruction column in the source page:", sorted(cols)[:12])
         return
     count = Counter()
-    for r in rows[head + 1:]:
-        if len(r) != len(rows[head]):
-            continue
+    for r in data:
         op = re.sub(r"^@!?U?P\w+\s+", "", r[cols["Source"]].strip()).split(" ")[0].split(".")[0]
         count[op] += _num(r[cols[executed]])
     total = sum(count.values()) or 1.0

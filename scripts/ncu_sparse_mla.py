@@ -12,7 +12,6 @@ stay in ``--out``. Records nothing: a printout (the session notes quote it as su
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -45,13 +44,9 @@ def drive(shape: str, fp8: bool, calls: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ncu_report.parser(__doc__, "build/ncu_sparse_mla", calls=8)
     ap.add_argument("--shape", default="64,1,2048", help="B,S_q,topk")
     ap.add_argument("--fp8", action="store_true", help="the FP8 cache")
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--out", default="build/ncu_sparse_mla")
-    ap.add_argument("--drive", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--calls", type=int, default=8, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.drive:
         drive(args.shape, args.fp8, args.calls)
