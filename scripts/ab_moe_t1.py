@@ -22,7 +22,7 @@ import torch
 
 import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
 from dsv4lab import bench
-from dsv4lab.benchmarks.moe import FLASH, _random_experts, experts_for, token_case
+from dsv4lab.benchmarks.moe import FLASH, SWIGLU_LIMIT, _random_experts, experts_for, token_case
 from dsv4lab.kernels import moe as kmoe
 
 
@@ -57,7 +57,7 @@ def main() -> int:
 
             def call(exv=exv, cfg=cfg):
                 return kmoe.fused_moe(x, exv["w13"], exv["w13_scale"], exv["w2"], exv["w2_scale"],
-                                      ids, w, fmt=fmt, swiglu_limit=10.0, config=cfg,
+                                      ids, w, fmt=fmt, swiglu_limit=SWIGLU_LIMIT, config=cfg,
                                       **exv["kw"])
             before = _decode_kernels()
             calls[name], outs[name], times[name] = call, call(), []

@@ -34,7 +34,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import dsv4lab  # noqa: F401  (configures the runtime before triton is imported)
-from dsv4lab.benchmarks.moe import FLASH, VARIANTS, _random_experts, experts_for, token_case
+from dsv4lab.benchmarks.moe import (FLASH, SWIGLU_LIMIT, VARIANTS, _random_experts, experts_for,
+                                    token_case)
 from dsv4lab.ops import fused_moe
 
 
@@ -101,7 +102,7 @@ def main() -> None:
         for name, backend, cfg in cases:
             def call():
                 return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                 fmt="mxfp4", swiglu_limit=10.0, backend=backend, kernel_config=cfg)
+                                 fmt="mxfp4", swiglu_limit=SWIGLU_LIMIT, backend=backend, kernel_config=cfg)
             try:
                 times = _kernel_times(call, args.reps)
             except Exception as e:  # a variant this Triton cannot build: say so, go on
@@ -123,7 +124,7 @@ def _t1_case(config):
     ex = experts_for(_random_experts(E, H, I, "mxfp4", dev, gen), config, "mxfp4", 1)
     ids, w, x = token_case(1, E, H, k, dev, gen)
     return lambda: fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                             fmt="mxfp4", swiglu_limit=10.0, backend="triton",
+                             fmt="mxfp4", swiglu_limit=SWIGLU_LIMIT, backend="triton",
                              kernel_config=config)
 
 
