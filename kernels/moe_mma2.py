@@ -258,13 +258,16 @@ instructions), held to the entry's 7 programs an SM, took 41.4-41.5 us (packed l
 registers: 39.8); without the scale multiplies (RAWDEC) 43.9-44.3. A decode 2.5x cheaper is
 worth ~3 us, and the canonical layout's loads through the ring alone are over 0.5's 37.8 us: the
 design costed for it (the weights bit-placed as e4m3 into an FP8 ``mma.sync`` with x split
-exactly into two e4m3 halves, ~10 instructions a word against ~25) cannot reach 0.5 with these
-loads. What is left is the pair: the cheap decode's math alone (MATH_ONLY with FAKEDEC) takes
-29.1-30.3 us, TMA's loads alone took 34.0 (above), and the register ring's loads and math have
-overlapped to within 3-5 us of the slower of the two (44.2 against 39.5; 41.4 against 38.4). If
-TMA's loads overlapped a cheap decode as well, a launch would land near 37-39 us, at 0.5's edge
-(TMA with this kernel's decode took 45.5). Gluon's ``mma_v2`` takes float8e4nv operands (k_width
-4) and emits ``mma.sync.m16n8k32...e4m3.e4m3.f32`` for sm_90 (offline compile, Triton 3.9).
+exactly into two e4m3 halves, ~10 instructions a word against ~25 where the mma takes FP8
+natively) cannot reach 0.5 with these loads. The cheap decode's math alone (MATH_ONLY with
+FAKEDEC) takes 29.1-30.3 us, and the register ring's loads and math have overlapped to within
+3-5 us of the slower half (44.2 against 39.5; 41.4 against 38.4), so TMA's loads (34.0 alone)
+under a decode that cheap might land near 37-39 us. The FP8 decode is not that decode on sm_90:
+Gluon's ``mma_v2`` on float8e4nv operands emits ``mma.sync.m16n8k32...e4m3.e4m3.f32``, which
+sm_89 and sm_120 run as one QMMA, but which ptxas emulates on sm_90 with every operand byte
+converted to fp16 (12 F2FP.F16.E4M3 and two HMMA.16816 an mma; scripts/probe_fp8_mma.py,
+offline, Triton 3.9): the conversions it was to save come back, and what remains saved is the
+scale multiplies, RAWDEC's no-gain. On the H200 no decode known here is that cheap.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

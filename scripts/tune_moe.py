@@ -490,31 +490,37 @@ CANDIDATES = [
     #   the entry) 41.4-41.5 / 49.3-49.5, at 128 42.9-43.1 / 54.7-54.8, TILED at 128 39.8 /
     #   47.6-47.9. RAWDEC (the scale multiplies dropped; 126 registers): 43.9-44.3 / 44.2-44.5,
     #   TILED 43.4-43.5 / 42.2.
-    # A decode 2.5x cheaper at the entry's occupancy is worth ~3 us (MXFP4 41.4), and the
-    # canonical layout's loads alone through the ring (38.3-38.6) are over 0.5's 37.8 us. The
-    # design costed for the decode (the nibbles bit-placed as e4m3, 7 instructions a word, into
-    # an FP8 mma.sync m16n8k32 whose 8 columns hold x's two exact e4m3 halves for the lane
-    # quad's four scale blocks, the block scales as 4 FFMA a K-step and lane: ~10 instructions
-    # a word against ~25) is therefore not built: with these loads it cannot reach 0.5.
+    # A decode 2.5x cheaper at the entry's occupancy is worth ~3 us (MXFP4 41.4), and the canonical
+    # layout's loads alone through the ring (38.3-38.6) are over 0.5's 37.8 us. The design costed
+    # for the decode (the nibbles bit-placed as e4m3, 7 instructions a word, into an FP8 mma.sync
+    # m16n8k32 whose 8 columns hold x's two exact e4m3 halves for the lane quad's four scale blocks,
+    # the block scales as 4 FFMA a K-step and lane: ~10 instructions a word against ~25 where the
+    # mma takes FP8 natively, sm_89 / sm_120) is therefore not built: with these loads it cannot
+    # reach 0.5.
     # Then (same lease, at e63a3dc) MATH_ONLY with FAKEDEC, the cheap decode's math alone:
     # 29.1-29.4 / 28.6-28.9 at 168 registers, 30.2-30.3 / 29.2-29.3 capped at 144 (TILED 29.8 /
     # 28.0), with NOWAIT 29.4-29.6 / 28.1. The ring's loads and math overlap to within 3-5 us of
     # the slower half (44.2 against 39.5, 41.4 against 38.4); TMA's loads alone took 34.0 (round
-    # 29), so TMA loads under an FP8 decode would land near 37-39 us if they overlapped as well:
-    # the one pair left with a chance, at the edge of 0.5. Gluon's mma_v2 takes float8e4nv
-    # operands (k_width 4) and emits mma.sync.m16n8k32 e4m3 for sm_90 (offline, Triton 3.9).
-    # The FP8 decode as costed (for whoever builds it): lane (g, t) keeps its 16-byte load of
-    # a row's K-step (MXFP4 block t); chunk c of the step (one m16n8k32) takes word c of every
-    # lane, a0 / a1 its low nibbles (rows g, g + 8), a2 / a3 its high ones, each nibble placed
-    # as e4m3 s 0 0 e1 e0 m 0 0 (exact: value * 2**-6; subnormals included). B's column 2 b +
-    # part holds part (the hi or lo e4m3 half; bf16 = hi + lo exactly, within range) of x's
-    # elements of block b, zero elsewhere: B lane (g', t') loads its 8 bytes when g' // 2 == t'.
-    # After the step's 4 mma from a zero accumulator, lane (g, t)'s columns 2 t, 2 t + 1 hold
-    # block t's hi and lo dots for rows g and g + 8, which its own scale bytes (times x's block
-    # scale) multiply into the running fp32 sums: 4 FFMA a step and m16 tile; the columns are
-    # summed over the quad once a tile. NVFP4 (two blocks a lane): the scales after chunks 0-1
-    # and 2-3. x's copy writes the hi / lo halves with a power-of-two scale per 32-element
-    # block; the gate/up epilogue writes act alike (BN1 32 rows = one block of the down K).
+    # 29), so TMA loads under a decode that cheap would land near 37-39 us if they overlapped as
+    # well. The FP8 decode is not that decode on the H200: Gluon's mma_v2 on float8e4nv operands
+    # (k_width 4) emits mma.sync.m16n8k32 e4m3, which sm_89 and sm_120 run as one QMMA.16832,
+    # but which ptxas emulates on sm_90 (FP8 only in wgmma there): 12 F2FP.F16.E4M3.UNPACK_B and
+    # two HMMA.16816.F32 an mma (`python3 scripts/probe_fp8_mma.py --cc 90`, offline, Triton
+    # 3.9). The per-word conversions it was to save come back (and x's with them); what stays
+    # saved is the scale multiplies, which RAWDEC measured at no gain. On sm_89 / sm_120 the
+    # design keeps its cost; on the H200 no decode known here is as cheap as FAKEDEC.
+    # The FP8 decode as costed (sm_89 / sm_120, for whoever builds it there): lane (g, t) keeps its
+    # 16-byte load of a row's K-step (MXFP4 block t); chunk c of the step (one m16n8k32) takes word
+    # c of every lane, a0 / a1 its low nibbles (rows g, g + 8), a2 / a3 its high ones, each nibble
+    # placed as e4m3 s 0 0 e1 e0 m 0 0 (exact: value * 2**-6; subnormals included). B's column 2 b +
+    # part holds part (the hi or lo e4m3 half; bf16 = hi + lo exactly, within range) of x's elements
+    # of block b, zero elsewhere: B lane (g', t') loads its 8 bytes when g' // 2 == t'. After the
+    # step's 4 mma from a zero accumulator, lane (g, t)'s columns 2 t, 2 t + 1 hold block t's hi and
+    # lo dots for rows g and g + 8, which its own scale bytes (times x's block scale) multiply into
+    # the running fp32 sums: 4 FFMA a step and m16 tile; the columns are summed over the quad once a
+    # tile. NVFP4 (two blocks a lane): the scales after chunks 0-1 and 2-3. x's copy writes the hi /
+    # lo halves with a power-of-two scale per 32-element block; the gate/up epilogue writes act
+    # alike (BN1 32 rows = one block of the down K).
 ]
 
 
