@@ -1101,7 +1101,7 @@ CONFIGS = [
 # not be importable)
 MMA2_LAUNCH_KEYS = ("BN1", "BN2", "SPLIT1", "SPLIT2", "STAGES", "NSPS", "STAGES2", "NSPS2",
                     "num_warps", "FUSED", "PREFETCH", "CVT8", "ACC_SCALE", "PDL", "REGS", "MAXNREG",
-                    "EVICT", "EARLY", "TILED")
+                    "EVICT", "EARLY", "TILED", "SIMT")
 CONFIG_KEYS = ("BM", "BN1", "BN2", "BK1", "BK2", "SPLIT1", "SPLIT2", "USE_DOT", "SWAP_AB",
                "DECODE32", "FASTDEC", "XPRE", "ROWMAX", "MAXNREG", "FOLD", "W16", "MMA2",
                "num_warps", "num_stages")

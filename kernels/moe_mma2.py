@@ -1272,7 +1272,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
               w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, SPLIT1=1,
               SPLIT2=1, STAGES=4, NSPS=1, STAGES2=None, NSPS2=None, num_warps=4, FUSED=False,
               PREFETCH=True, CVT8=None, ACC_SCALE=False, PDL=None, REGS=0, MAXNREG=None,
-              EVICT=False, EARLY=True, TILED=False):
+              EVICT=False, EARLY=True, TILED=False, SIMT=False):
     """The grouped FP4 MoE with these GEMMs (arguments as ``moe.fused_moe``, already checked):
     grouping, x's copy in sigma's order, gate/up (+ the split-K SwiGLU sum), down, combine.
     With ``FUSED`` and at most BM (8) tokens: x's copy, then everything else in one launch
@@ -1298,6 +1298,11 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``TILED`` (the fused launch with REGS only): w13, w2 and their scales are in
     :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one;
     ``"weights"``: the weights only (``pack_tile_major(..., scales=False)``).
+    ``SIMT`` (True, or a dict of its own keywords: RB, dec, chains): the one-launch decode of
+    :mod:`dsv4lab.kernels.moe_simt` instead (GEMVs on the CUDA cores; FUSED, at most 8 tokens,
+    the canonical layout; BN1, BN2, num_warps and PDL are passed on, the other keys unused);
+    None: that decode where :func:`dsv4lab.kernels.moe_simt.supported` (hidden and
+    intermediate sizes multiples of 2048), else the one the other keys name.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1320,6 +1325,20 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             raise ValueError(f"moe_mma2: TILED={TILED!r} reads {name} in the "
                              f"{'packed' if packed else 'canonical'} layout, and it is in the "
                              f"{'canonical' if packed else 'packed'} one (pack_tile_major)")
+    if SIMT is None:
+        from dsv4lab.kernels import moe_simt
+        SIMT = FUSED and not TILED and moe_simt.supported(
+            x, H, I, T, (w13, w13_scale, w2, w2_scale)) is None
+    if SIMT:
+        if not FUSED or TILED:
+            raise ValueError(f"moe_mma2: SIMT is a one-launch decode (FUSED) of the canonical "
+                             f"layout; got FUSED={FUSED!r}, TILED={TILED!r}")
+        from dsv4lab.kernels import moe_simt
+        return moe_simt.fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                     fmt=fmt, w13_global=w13_global, w2_global=w2_global,
+                                     swiglu_limit=swiglu_limit, BN1=BN1, BN2=BN2,
+                                     num_warps=num_warps, PDL=PDL,
+                                     **(SIMT if isinstance(SIMT, dict) else {}))
     if TILED and (not FUSED or T > int(BM) or REGS == 0):
         raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
                          f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "

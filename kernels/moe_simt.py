@@ -26,6 +26,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
+from dsv4lab.kernels.gluon_compat import cta_barrier
+from dsv4lab.kernels.moe_mma2 import _gdc_wait, _swiglu, _wait_count
+
 # e5m2 bit placement of 4 packed bytes ($4 + 4 j: word j of the block): l holds the low
 # nibbles' bytes, h the high nibbles'
 _PLACE = """
@@ -97,57 +101,107 @@ def _layout(RB, per, W):
     return gl.BlockedLayout([RB, per], [1, 32], [W, 1], [1, 0])
 
 
+@triton.constexpr_function
+def _nsc(IS_NV):
+    """Scale bytes a lane a row: its 64 elements hold 2 MXFP4 blocks, 4 NVFP4 ones."""
+    return 4 if IS_NV else 2
+
+
 @gluon.jit
-def _rows_kernel(w_ptr, s_ptr, xq_ptr, cx_ptr, out_ptr, n_rows, stride_wn, stride_sn,
-                 stride_xs, stride_cs, stride_os, RB: gl.constexpr, R: gl.constexpr,
-                 ASM: gl.constexpr, num_warps: gl.constexpr):
-    """Rows of program (tile, slice) times x's slice: out[slice, row] (fp32)."""
+def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
+    """Local row r of iteration it -> its row of the matrix (from the first): the tile's rows
+    run in blocks of HALF, JUMP apart (a gate/up tile: its gate rows, then the up rows)."""
+    q = it * RR + r
+    return q % HALF + (q // HALF) * JUMP
+
+
+@gluon.jit
+def _rows_start(w_base, s_base, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
+                RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
+    """The words and scale bytes of :func:`_rows_dot`'s first iteration (issued apart, so that
+    a tile may ask for them before it waits). ``w_base``: int32 pointer to the first row's
+    slice, ``s_base``: its scales; ``stride_w4``: words a row."""
+    RR: gl.constexpr = num_warps * RB
+    WL: gl.constexpr = _layout(RB, 8, num_warps)
+    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps)
+    cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
+    cs = gl.arange(0, 32 * _nsc(IS_NV), layout=gl.SliceLayout(0, SL))
+    rw = _row_index(0, gl.arange(0, RR, layout=gl.SliceLayout(1, WL)), RR, HALF, JUMP)
+    rs = _row_index(0, gl.arange(0, RR, layout=gl.SliceLayout(1, SL)), RR, HALF, JUMP)
+    p = gl.load(w_base + cw[None, :] + (rw * stride_w4)[:, None], eviction_policy="evict_first")
+    s = gl.load(s_base + cs[None, :] + (rs * stride_sn)[:, None], eviction_policy="evict_first")
+    return p, s
+
+
+@gluon.jit
+def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_base, out_base,
+              mult, p, s, R: gl.constexpr, HALF: gl.constexpr, RB: gl.constexpr,
+              IS_NV: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """R rows (see :func:`_row_index`) of a 2048-element K slice times x's slice, times
+    ``mult``, into out_base[row] (fp32). x's slice: the pair words ``xq_base + i plane + w``
+    (i < 4, w < 256; :func:`block_dot_asm`'s order) and the factors ``cx_base[b]`` (b < 64)
+    of :func:`x_pairs`. ``p``, ``s``: :func:`_rows_start`'s loads. Each iteration a warp
+    takes RB rows; the next iteration's bytes are in flight while it works."""
     W: gl.constexpr = num_warps
     RR: gl.constexpr = W * RB
+    NSC: gl.constexpr = _nsc(IS_NV)
     WL: gl.constexpr = _layout(RB, 8, W)
-    SL: gl.constexpr = _layout(RB, 2, W)
-    tile = gl.program_id(0)
-    sl = gl.program_id(1)
+    SL: gl.constexpr = _layout(RB, NSC, W)
     cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
-    cs = gl.arange(0, 64, layout=gl.SliceLayout(0, SL))
+    cs = gl.arange(0, 32 * NSC, layout=gl.SliceLayout(0, SL))
     rw = gl.arange(0, RR, layout=gl.SliceLayout(1, WL))
     rs = gl.arange(0, RR, layout=gl.SliceLayout(1, SL))
-    xb = xq_ptr + sl * stride_xs
-    x0 = gl.expand_dims(gl.load(xb + cw), 0)
-    x1 = gl.expand_dims(gl.load(xb + 256 + cw), 0)
-    x2 = gl.expand_dims(gl.load(xb + 512 + cw), 0)
-    x3 = gl.expand_dims(gl.load(xb + 768 + cw), 0)
-    cx = gl.expand_dims(gl.load(cx_ptr + sl * stride_cs + cs), 0)
-    row0 = tile * R
-    # int32 offsets from the first row: a program's rows span less than 2**31 bytes
-    wbase = (w_ptr + row0.to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + sl * 256 + cw[None, :]
-    sbase = s_ptr + row0.to(gl.int64) * stride_sn + sl * 64 + cs[None, :]
-    wrow = (rw * (stride_wn // 4))[:, None]
-    srow = (rs * stride_sn)[:, None]
-    p = gl.load(wbase + wrow, eviction_policy="evict_first")
-    s = gl.load(sbase + srow, eviction_policy="evict_first")
+    x0 = gl.expand_dims(gl.load(xq_base + cw), 0)
+    x1 = gl.expand_dims(gl.load(xq_base + plane + cw), 0)
+    x2 = gl.expand_dims(gl.load(xq_base + 2 * plane + cw), 0)
+    x3 = gl.expand_dims(gl.load(xq_base + 3 * plane + cw), 0)
+    cx = gl.expand_dims(gl.load(cx_base + cs // (NSC // 2)), 0)
+    w_rows = w_base + cw[None, :]
+    s_rows = s_base + cs[None, :]
     for it in range(R // RR):
-        nxt = gl.minimum(it + 1, R // RR - 1) * RR
-        pn = gl.load(wbase + (wrow + nxt * (stride_wn // 4)), eviction_policy="evict_first")
-        sn = gl.load(sbase + (srow + nxt * stride_sn), eviction_policy="evict_first")
+        nx = gl.minimum(it + 1, R // RR - 1)
+        pn = gl.load(w_rows + (_row_index(nx, rw, RR, HALF, JUMP) * stride_w4)[:, None],
+                     eviction_policy="evict_first")
+        sn = gl.load(s_rows + (_row_index(nx, rs, RR, HALF, JUMP) * stride_sn)[:, None],
+                     eviction_policy="evict_first")
         o = gl.inline_asm_elementwise(ASM, "=f,=f,=f,=f" + ",r" * 20, [p, x0, x1, x2, x3],
                                       dtype=gl.float32, is_pure=True, pack=4)
         o = gl.reshape(o, [RR, 64, 2, 2])
-        o, _ = gl.split(o)
-        o, _ = gl.split(o)
+        if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
+            o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
+            o = gl.reshape(o, [RR, 128])
+            f = s.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+        else:           # result 0: the block
+            o, _ = gl.split(o)
+            o, _ = gl.split(o)
+            f = (s.to(gl.int32) << 23).to(gl.float32, bitcast=True)
         o = gl.convert_layout(o, SL, assert_trivial=True)
-        f = (s.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-        tot = gl.sum(o * f * cx, axis=1)
-        gl.store(out_ptr + sl * stride_os + row0 + it * RR + rs, tot)
+        tot = gl.sum(o * f * cx, axis=1) * mult
+        gl.store(out_base + _row_index(it, rs, RR, HALF, JUMP), tot)
         p = pn
         s = sn
+
+
+@gluon.jit
+def _rows_kernel(w_ptr, s_ptr, xq_ptr, cx_ptr, out_ptr, stride_wn, stride_sn, stride_xs,
+                 stride_cs, stride_os, RB: gl.constexpr, R: gl.constexpr, IS_NV: gl.constexpr,
+                 ASM: gl.constexpr, num_warps: gl.constexpr):
+    """The probe: rows R tile .. of one matrix times K slice ``program_id(1)`` of x."""
+    tile = gl.program_id(0)
+    sl = gl.program_id(1)
+    NSC: gl.constexpr = _nsc(IS_NV)
+    w_base = (w_ptr + (tile * R).to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + sl * 256
+    s_base = s_ptr + (tile * R).to(gl.int64) * stride_sn + sl * 32 * NSC
+    p, s = _rows_start(w_base, s_base, stride_wn // 4, stride_sn, 0, R, RB, IS_NV, num_warps)
+    _rows_dot(w_base, s_base, stride_wn // 4, stride_sn, 0, xq_ptr + sl * stride_xs, 4 * stride_xs,
+              cx_ptr + sl * stride_cs, out_ptr + sl * stride_os + tile * R, 1.0, p, s, R, R, RB,
+              IS_NV, ASM, num_warps)
 
 
 def x_pairs(x: torch.Tensor, slices: int):
     """x [K] (fp32) -> (xq int32 [slices, 4, K / slices / 8]: the fp16 pairs of each word in
     :func:`block_dot_asm`'s order, each lane-block scaled by 2**sx; cx fp32 [slices, K / 32 /
     slices]: 2**(14 - sx), what a block's fp32 sum owes)."""
-    K = x.numel()
     blk = x.float().reshape(-1, 32)
     amax = blk.abs().amax(1)
     sx = torch.where(amax > 0, 13 - torch.floor(torch.log2(amax.clamp_min(1e-30))), torch.zeros_like(amax))
@@ -173,7 +227,269 @@ def rows_times_x(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor, *, slices: i
         xq, cx = x_pairs(x, slices)
     if out is None:
         out = torch.empty(slices, N, dtype=torch.float32, device=w.device)
-    _rows_kernel[(N // R, slices)](w, s, xq, cx, out, N, w.stride(0), s.stride(0), xq.stride(0),
-                                   cx.stride(0), out.stride(0), RB=RB, R=R,
+    _rows_kernel[(N // R, slices)](w, s, xq, cx, out, w.stride(0), s.stride(0), xq.stride(0),
+                                   cx.stride(0), out.stride(0), RB=RB, R=R, IS_NV=False,
                                    ASM=block_dot_asm(dec, chains, 1), num_warps=num_warps)
+    return out
+
+
+
+@triton.constexpr_function
+def _block_layout(W):
+    """[blocks, 32]: a thread holds a 32-element block (its largest |value| in-thread)."""
+    return gl.BlockedLayout([1, 32], [32, 1], [W, 1], [1, 0])
+
+
+@gluon.jit
+def _block_exponent(amax):
+    """sx of a block whose largest |value| is amax: ``amax * 2**sx`` in [2**13, 2**14) (0 for
+    an all-zero block; within +-100, so that 2**sx and 2**(14 - sx) stay normal fp32)."""
+    e = (amax.to(gl.int32, bitcast=True) >> 23) & 255
+    return gl.minimum(gl.maximum(gl.where(amax > 0, 140 - e, 0), -100), 100)
+
+
+@gluon.jit
+def _store_pairs(q16_ptr, c_ptr, n, v, K):
+    """Blocks v [blocks, 32] (fp32; elements n of a K-vector) -> fp16 ``v * 2**sx`` at their
+    slots of the pair words [4, K / 8] (q16_ptr: as fp16) and each block's ``2**(14 - sx)``
+    at c_ptr[n // 32]: the x operand of :func:`_rows_dot`."""
+    sx = _block_exponent(gl.max(gl.abs(v), axis=1))
+    xs = (v * ((sx + 127) << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float16)
+    r = n % 8
+    gl.store(q16_ptr + ((r % 2) * 2 + r // 4) * (K // 4) + (n // 8) * 2 + (r // 2) % 2, xs)
+    first = gl.max(n, axis=1) // 32        # n's blocks are whole: any element names it
+    gl.store(c_ptr + first, ((141 - sx) << 23).to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def _x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x, PDL: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """Token t's x (program (t, pb): 1024 num_warps elements) -> :func:`_store_pairs`'s words
+    and factors; program (0, 0) also zeroes ``n_zero`` int32 at ``zero_ptr`` (the decode's
+    counters). ``PDL``: the decode is this launch's programmatic dependent launch."""
+    BL: gl.constexpr = _block_layout(num_warps)
+    ONE: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r",
+                                  [gl.arange(0, 32 * num_warps, layout=ONE)], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    t = gl.program_id(0)
+    pb = gl.program_id(1)
+    if (t == 0) & (pb == 0):
+        z = gl.arange(0, 32 * num_warps, layout=ONE)
+        for z0 in range(0, n_zero, 32 * num_warps):
+            gl.store(zero_ptr + z0 + z, 0, mask=z0 + z < n_zero)
+    BH: gl.constexpr = 1024 * num_warps
+    n = (pb * BH + gl.arange(0, BH // 32, layout=gl.SliceLayout(1, BL))[:, None] * 32
+         + gl.arange(0, 32, layout=gl.SliceLayout(0, BL))[None, :])
+    v = gl.load(x_ptr + t.to(gl.int64) * stride_x + n).to(gl.float32)
+    _store_pairs(xq_ptr.to(gl.pointer_type(gl.float16)) + t.to(gl.int64) * H, xc_ptr + t * (H // 32),
+                 n, v, H)
+
+
+@gluon.jit
+def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
+                  part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e, stride_w13n,
+                  stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, RB: gl.constexpr,
+                  ASM: gl.constexpr, num_warps: gl.constexpr):
+    """Gate/up tile ``tile`` of :func:`_decode_kernel`: pair p's BN1 gate rows and their BN1
+    up rows (row tile pn) over K slice sp, into part[sp, p]; the row tile's last slice sums
+    the slices, takes the SwiGLU and writes those BN1 activations as the down tiles' x
+    (:func:`_store_pairs`), then releases the pair's count."""
+    S1 = H // 2048
+    g = tile // S1
+    sp = tile % S1
+    p = g // n_tiles1
+    pn = g % n_tiles1
+    e = gl.load(ids_ptr + p)
+    if e >= 0:
+        t = p // TOPK
+        row0 = pn * BN1
+        w_base = (w13_ptr + e.to(gl.int64) * stride_w13e + row0.to(gl.int64) * stride_w13n
+                  ).to(gl.pointer_type(gl.int32)) + sp * 256
+        s_base = s13_ptr + e.to(gl.int64) * stride_s13e + row0.to(gl.int64) * stride_s13n + sp * 32 * _nsc(IS_NV)
+        pw, ps = _rows_start(w_base, s_base, stride_w13n // 4, stride_s13n, I, BN1, RB, IS_NV,
+                             num_warps)
+        mult = 1.0
+        if IS_NV:
+            mult = gl.load(g13_ptr + e)
+        _rows_dot(w_base, s_base, stride_w13n // 4, stride_s13n, I,
+                  xq_ptr + t.to(gl.int64) * (H // 2) + sp * 256, H // 8,
+                  xc_ptr + t * (H // 32) + sp * 64, part_ptr + (sp * P + p).to(gl.int64) * (2 * I) + row0,
+                  mult, pw, ps, 2 * BN1, BN1, RB, IS_NV, ASM, num_warps)
+    cta_barrier()
+    last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
+    if last & (e >= 0):     # the row tile's last slice: sum in slice order, the SwiGLU
+        BL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])  # few registers
+        n = (pn * BN1 + gl.arange(0, BN1 // 32, layout=gl.SliceLayout(1, BL))[:, None] * 32
+             + gl.arange(0, 32, layout=gl.SliceLayout(0, BL))[None, :])
+        gate = gl.zeros([BN1 // 32, 32], gl.float32, layout=BL)
+        up = gl.zeros([BN1 // 32, 32], gl.float32, layout=BL)
+        for q in range(S1):
+            row = part_ptr + (q * P + p).to(gl.int64) * (2 * I)
+            gate += gl.load(row + n, cache_modifier=".cg")
+            up += gl.load(row + I + n, cache_modifier=".cg")
+        _store_pairs(aq_ptr.to(gl.pointer_type(gl.float16)) + p.to(gl.int64) * I,
+                     ac_ptr + p * (I // 32), n, _swiglu(gate, up, swiglu_limit, HAS_LIMIT), I)
+    if last:
+        cta_barrier()                         # every thread's stores, then one release
+        gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, ypair_ptr,
+               out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
+               stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
+               RB: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """Down tile d of :func:`_decode_kernel`: pair p's activations (K slice sp) times BN2 down
+    rows (row tile pn), times its routing weight, into ypair[sp, p]; the last tile of those
+    rows sums ypair over the pairs and slices, in order, into out. Its first weight bytes are
+    asked for before it waits for the activations."""
+    S2 = I // 2048
+    sp = d % S2
+    p = d // S2 // n_tiles2
+    pn = d // S2 % n_tiles2
+    e = gl.load(ids_ptr + p)
+    if e >= 0:
+        row0 = pn * BN2
+        w_base = (w2_ptr + e.to(gl.int64) * stride_w2e + row0.to(gl.int64) * stride_w2n
+                  ).to(gl.pointer_type(gl.int32)) + sp * 256
+        s_base = s2_ptr + e.to(gl.int64) * stride_s2e + row0.to(gl.int64) * stride_s2n + sp * 32 * _nsc(IS_NV)
+        pw, ps = _rows_start(w_base, s_base, stride_w2n // 4, stride_s2n, 0, BN2, RB, IS_NV,
+                             num_warps)
+        mult = gl.load(topk_w_ptr + p).to(gl.float32)
+        if IS_NV:
+            mult = mult * gl.load(g2_ptr + e)
+        _wait_count(ctr_ptr + 1 + p, n_tiles1)
+        _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
+                  aq_ptr + p.to(gl.int64) * (I // 2) + sp * 256, I // 8, ac_ptr + p * (I // 32) + sp * 64,
+                  ypair_ptr + (sp * P + p).to(gl.int64) * H + row0, mult, pw, ps, BN2, BN2, RB,
+                  IS_NV, ASM, num_warps)
+    cta_barrier()
+    done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
+    if done == P * S2 - 1:                # the last of this row tile's down tiles
+        OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
+        offs_h = pn * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, OL))
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+        total = gl.zeros([BN2, 8], gl.float32, layout=OL)
+        for q in range(P):                # pairs and slices in order: the same sum every call
+            live = (m == q // TOPK)[None, :] & (gl.load(ids_ptr + q) >= 0)
+            for q2 in range(S2):
+                total += gl.load(ypair_ptr + (q2 * P + q).to(gl.int64) * H + offs_h[:, None] + m[None, :] * 0,
+                                 mask=live, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
+                 total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+
+
+@gluon.jit
+def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr,
+                   topk_w_ptr, aq_ptr, ac_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK,
+                   I, H, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
+                   IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
+                   BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
+                   num_warps: gl.constexpr, PDL: gl.constexpr = False):
+    """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
+    GEMV, as kernels/moe_mma2.py's ``FUSED`` decode schedules it: tiles handed out by a ticket
+    counter, all gate/up tiles first, so a down tile waits only for tiles already running.
+    Counters (zeroed by :func:`_x_pairs_kernel`): [0] the ticket; [1 + p] pair p's finished
+    gate/up row tiles; [1 + P + n] the finished down tiles of hidden rows n BN2 ...;
+    [1 + P + H / BN2 + g] the finished K slices of gate/up row tile g. K slices are 2048
+    elements (H / 2048 for gate/up, I / 2048 for down). ``PDL``: launched as x's pairs'
+    programmatic dependent launch; every program waits for that kernel before its ticket."""
+    n_tiles1 = I // BN1
+    n_tiles2 = H // BN2
+    n_gu = P * n_tiles1 * (H // 2048)
+    if PDL:
+        _gdc_wait(num_warps)
+    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    if tile < n_gu:
+        _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
+                      part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
+                      stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV, HAS_LIMIT,
+                      BN1, RB, ASM, num_warps)
+    else:
+        _down_tile(tile - n_gu, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
+                   ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, num_warps)
+
+
+def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
+    """None if :func:`fused_decode` runs here on these sizes, else why not (no launch)."""
+    if interpreting():
+        return "Gluon kernels do not run in Triton's interpreter"
+    why = gluon_unsupported()
+    if why is not None:
+        return why
+    if x.device.type != "cuda":
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "needs sm_80 or newer"
+    if H % 2048 or I % 2048:
+        return f"hidden and intermediate sizes must be multiples of 2048 (a lane's 64 elements of a row), got {H}, {I}"
+    if not 1 <= T <= 8:
+        return f"one launch takes 1 to 8 tokens, got {T}"
+    if any(t.data_ptr() % 16 for t in tensors):
+        return "the weights and scales must start 16-byte aligned"
+    return None
+
+
+def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
+                 w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, RB=2,
+                 num_warps=4, PDL=None, dec="prmt", chains=1):
+    """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
+    launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
+    :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (multiples of 32, of
+    ``num_warps x RB`` rows and dividing I and H); ``RB``: rows a warp an iteration;
+    ``PDL``: the decode as the first launch's programmatic dependent launch (None: where
+    :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``: :func:`block_dot_asm`'s
+    (NVFP4 always 2 chains). No host synchronisation. Explained in
+    notebooks/04_mxfp4_moe_port.ipynb."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    P = topk_ids.numel()
+    why = supported(x, H, I, T, (w13, w13_scale, w2, w2_scale))
+    if why is not None:
+        raise ValueError(f"moe_simt: {why}")
+    rr = num_warps * RB
+    for name, v, n in (("BN1", BN1, I), ("BN2", BN2, H)):
+        if v % 32 or v % rr or n % v:
+            raise ValueError(f"moe_simt: {name} must be a multiple of 32 and of num_warps x RB "
+                             f"({rr}) dividing {n}, got {v}")
+    if dec not in _PAIRS or chains not in (1, 2):
+        raise ValueError(f"moe_simt: dec must be one of {sorted(_PAIRS)} and chains 1 or 2, got "
+                         f"{dec!r}, {chains!r}")
+    dev = x.device
+    is_nv = fmt == "nvfp4"
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    if P == 0:
+        return out.zero_()
+    w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    pdl = pdl_ok(dev) if PDL is None else bool(PDL)
+    if pdl and not pdl_ok(dev):
+        raise ValueError("moe_simt: PDL needs sm_90 or newer (griddepcontrol)")
+    xq = torch.empty(T, 4, H // 8, dtype=torch.int32, device=dev)
+    xc = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
+    aq = torch.empty(P, 4, I // 8, dtype=torch.int32, device=dev)
+    ac = torch.empty(P, I // 32, dtype=torch.float32, device=dev)
+    part = torch.empty(H // 2048 * P, 2 * I, dtype=torch.float32, device=dev)
+    ypair = torch.empty(I // 2048 * P, H, dtype=torch.float32, device=dev)
+    counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
+    x = x.contiguous()
+    _x_pairs_kernel[(T, H // 2048)](x, xq, xc, counters, counters.numel(), H, x.stride(0),
+                                    PDL=pdl, num_warps=2)
+    g13 = w13_global.contiguous() if is_nv else xc
+    g2 = w2_global.contiguous() if is_nv else xc
+    grid = (P * (I // BN1) * (H // 2048) + P * (H // BN2) * (I // 2048),)
+    _decode_kernel[grid](
+        xq, xc, w13, w13_scale, g13, w2, w2_scale, g2, topk_ids.contiguous(),
+        topk_weights.reshape(-1).contiguous(), aq, ac, part, ypair, out, counters, P, T,
+        topk_ids.shape[1], I, H, w13.stride(0), w13.stride(1), w13_scale.stride(0),
+        w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
+        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
+        ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
+        PDL=pdl, launch_pdl=pdl)
     return out
