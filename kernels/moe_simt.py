@@ -440,8 +440,8 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
                  num_warps=4, PDL=None, dec="prmt", chains=1):
     """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
     launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
-    :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (multiples of 32, of
-    ``num_warps x RB`` rows and dividing I and H); ``RB``: rows a warp an iteration;
+    :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (multiples of
+    ``num_warps x RB`` rows, BN1 of 32 too, dividing I and H); ``RB``: rows a warp an iteration;
     ``PDL``: the decode as the first launch's programmatic dependent launch (None: where
     :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``: :func:`block_dot_asm`'s
     (NVFP4 always 2 chains). No host synchronisation. Explained in
@@ -454,9 +454,10 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     if why is not None:
         raise ValueError(f"moe_simt: {why}")
     rr = num_warps * RB
-    for name, v, n in (("BN1", BN1, I), ("BN2", BN2, H)):
-        if v % 32 or v % rr or n % v:
-            raise ValueError(f"moe_simt: {name} must be a multiple of 32 and of num_warps x RB "
+    # a gate/up tile writes whole 32-element blocks of the activations (their factors)
+    for name, v, n, low in (("BN1", BN1, I, 32), ("BN2", BN2, H, 1)):
+        if v % low or v % rr or n % v:
+            raise ValueError(f"moe_simt: {name} must be a multiple of {low} and of num_warps x RB "
                              f"({rr}) dividing {n}, got {v}")
     if dec not in _PAIRS or chains not in (1, 2):
         raise ValueError(f"moe_simt: dec must be one of {sorted(_PAIRS)} and chains 1 or 2, got "
