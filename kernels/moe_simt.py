@@ -102,6 +102,11 @@ def _layout(RB, per, W):
 
 
 @triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.constexpr_function
 def _nsc(IS_NV):
     """Scale bytes a lane a row: its 64 elements hold 2 MXFP4 blocks, 4 NVFP4 ones."""
     return 4 if IS_NV else 2
@@ -111,37 +116,55 @@ def _nsc(IS_NV):
 def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
     """Local row r of iteration it -> its row of the matrix (from the first): the tile's rows
     run in blocks of HALF, JUMP apart (a gate/up tile: its gate rows, then the up rows)."""
-    q = it * RR + r
-    return q % HALF + (q // HALF) * JUMP
+    q = it * RR + r                     # >= 0, HALF a power of two: masks and shifts
+    return (q & (HALF - 1)) + (q >> _log2(HALF)) * JUMP
 
 
 @gluon.jit
-def _rows_start(w_base, s_base, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
-                RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
-    """The words and scale bytes of :func:`_rows_dot`'s first iteration (issued apart, so that
-    a tile may ask for them before it waits). ``w_base``: int32 pointer to the first row's
-    slice, ``s_base``: its scales; ``stride_w4``: words a row."""
+def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
+                    RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
+    """Iteration it's weight words [W RB, 256] and scale bytes [W RB, 32 NSC] (each lane its
+    32 bytes of a row, two 16-byte loads, and their scales) under the L2 evict-first policy.
+    ``w_base``: int32 pointer to the first row's slice, ``s_base``: its scales;
+    ``stride_w4``: words a row."""
     RR: gl.constexpr = num_warps * RB
     WL: gl.constexpr = _layout(RB, 8, num_warps)
     SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps)
     cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
     cs = gl.arange(0, 32 * _nsc(IS_NV), layout=gl.SliceLayout(0, SL))
-    rw = _row_index(0, gl.arange(0, RR, layout=gl.SliceLayout(1, WL)), RR, HALF, JUMP)
-    rs = _row_index(0, gl.arange(0, RR, layout=gl.SliceLayout(1, SL)), RR, HALF, JUMP)
+    rw = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, WL)), RR, HALF, JUMP)
+    rs = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, SL)), RR, HALF, JUMP)
     p = gl.load(w_base + cw[None, :] + (rw * stride_w4)[:, None], eviction_policy="evict_first")
     s = gl.load(s_base + cs[None, :] + (rs * stride_sn)[:, None], eviction_policy="evict_first")
     return p, s
 
 
 @gluon.jit
+def _rows_start(w_base, s_base, stride_w4, stride_sn, JUMP, R: gl.constexpr,
+                HALF: gl.constexpr, RB: gl.constexpr, IS_NV: gl.constexpr,
+                AHEAD: gl.constexpr, num_warps: gl.constexpr):
+    """The loads of :func:`_rows_dot`'s first AHEAD iterations (issued apart, so that a tile
+    may ask for them before it waits): (words, scales) of iteration 0, then of iteration 1
+    (AHEAD 2; else iteration 0's again, unused)."""
+    pa, sa = _load_iteration(w_base, s_base, 0, stride_w4, stride_sn, JUMP, HALF, RB, IS_NV,
+                             num_warps)
+    pb, sb = pa, sa
+    if AHEAD == 2:
+        pb, sb = _load_iteration(w_base, s_base, gl.minimum(1, R // (num_warps * RB) - 1),
+                                 stride_w4, stride_sn, JUMP, HALF, RB, IS_NV, num_warps)
+    return pa, sa, pb, sb
+
+
+@gluon.jit
 def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_base, out_base,
-              mult, p, s, R: gl.constexpr, HALF: gl.constexpr, RB: gl.constexpr,
-              IS_NV: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+              mult, pa, sa, pb, sb, R: gl.constexpr, HALF: gl.constexpr, RB: gl.constexpr,
+              IS_NV: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
+              num_warps: gl.constexpr):
     """R rows (see :func:`_row_index`) of a 2048-element K slice times x's slice, times
     ``mult``, into out_base[row] (fp32). x's slice: the pair words ``xq_base + i plane + w``
     (i < 4, w < 256; :func:`block_dot_asm`'s order) and the factors ``cx_base[b]`` (b < 64)
-    of :func:`x_pairs`. ``p``, ``s``: :func:`_rows_start`'s loads. Each iteration a warp
-    takes RB rows; the next iteration's bytes are in flight while it works."""
+    of :func:`x_pairs`. ``pa``...: :func:`_rows_start`'s loads. Each iteration a warp takes
+    RB rows; the bytes of the AHEAD iterations after it are in flight while it works."""
     W: gl.constexpr = num_warps
     RR: gl.constexpr = W * RB
     NSC: gl.constexpr = _nsc(IS_NV)
@@ -149,37 +172,34 @@ def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_bas
     SL: gl.constexpr = _layout(RB, NSC, W)
     cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
     cs = gl.arange(0, 32 * NSC, layout=gl.SliceLayout(0, SL))
-    rw = gl.arange(0, RR, layout=gl.SliceLayout(1, WL))
     rs = gl.arange(0, RR, layout=gl.SliceLayout(1, SL))
     x0 = gl.expand_dims(gl.load(xq_base + cw), 0)
     x1 = gl.expand_dims(gl.load(xq_base + plane + cw), 0)
     x2 = gl.expand_dims(gl.load(xq_base + 2 * plane + cw), 0)
     x3 = gl.expand_dims(gl.load(xq_base + 3 * plane + cw), 0)
     cx = gl.expand_dims(gl.load(cx_base + cs // (NSC // 2)), 0)
-    w_rows = w_base + cw[None, :]
-    s_rows = s_base + cs[None, :]
     for it in range(R // RR):
-        nx = gl.minimum(it + 1, R // RR - 1)
-        pn = gl.load(w_rows + (_row_index(nx, rw, RR, HALF, JUMP) * stride_w4)[:, None],
-                     eviction_policy="evict_first")
-        sn = gl.load(s_rows + (_row_index(nx, rs, RR, HALF, JUMP) * stride_sn)[:, None],
-                     eviction_policy="evict_first")
-        o = gl.inline_asm_elementwise(ASM, "=f,=f,=f,=f" + ",r" * 20, [p, x0, x1, x2, x3],
+        pn, sn = _load_iteration(w_base, s_base, gl.minimum(it + AHEAD, R // RR - 1), stride_w4,
+                                 stride_sn, JUMP, HALF, RB, IS_NV, W)
+        o = gl.inline_asm_elementwise(ASM, "=f,=f,=f,=f" + ",r" * 20, [pa, x0, x1, x2, x3],
                                       dtype=gl.float32, is_pure=True, pack=4)
         o = gl.reshape(o, [RR, 64, 2, 2])
         if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
             o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
             o = gl.reshape(o, [RR, 128])
-            f = s.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            f = sa.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         else:           # result 0: the block
             o, _ = gl.split(o)
             o, _ = gl.split(o)
-            f = (s.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            f = (sa.to(gl.int32) << 23).to(gl.float32, bitcast=True)
         o = gl.convert_layout(o, SL, assert_trivial=True)
         tot = gl.sum(o * f * cx, axis=1) * mult
         gl.store(out_base + _row_index(it, rs, RR, HALF, JUMP), tot)
-        p = pn
-        s = sn
+        if AHEAD == 2:
+            pa, sa = pb, sb
+            pb, sb = pn, sn
+        else:
+            pa, sa = pn, sn
 
 
 @gluon.jit
@@ -192,10 +212,11 @@ def _rows_kernel(w_ptr, s_ptr, xq_ptr, cx_ptr, out_ptr, stride_wn, stride_sn, st
     NSC: gl.constexpr = _nsc(IS_NV)
     w_base = (w_ptr + (tile * R).to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + sl * 256
     s_base = s_ptr + (tile * R).to(gl.int64) * stride_sn + sl * 32 * NSC
-    p, s = _rows_start(w_base, s_base, stride_wn // 4, stride_sn, 0, R, RB, IS_NV, num_warps)
+    pa, sa, pb, sb = _rows_start(w_base, s_base, stride_wn // 4, stride_sn, 0, R, R, RB, IS_NV,
+                                 1, num_warps)
     _rows_dot(w_base, s_base, stride_wn // 4, stride_sn, 0, xq_ptr + sl * stride_xs, 4 * stride_xs,
-              cx_ptr + sl * stride_cs, out_ptr + sl * stride_os + tile * R, 1.0, p, s, R, R, RB,
-              IS_NV, ASM, num_warps)
+              cx_ptr + sl * stride_cs, out_ptr + sl * stride_os + tile * R, 1.0, pa, sa, pb, sb,
+              R, R, RB, IS_NV, ASM, 1, num_warps)
 
 
 def x_pairs(x: torch.Tensor, slices: int):
@@ -292,7 +313,7 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
                   part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e, stride_w13n,
                   stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
                   HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, RB: gl.constexpr,
-                  ASM: gl.constexpr, num_warps: gl.constexpr):
+                  ASM: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel`: pair p's BN1 gate rows and their BN1
     up rows (row tile pn) over K slice sp, into part[sp, p]; the row tile's last slice sums
     the slices, takes the SwiGLU and writes those BN1 activations as the down tiles' x
@@ -309,15 +330,15 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
         w_base = (w13_ptr + e.to(gl.int64) * stride_w13e + row0.to(gl.int64) * stride_w13n
                   ).to(gl.pointer_type(gl.int32)) + sp * 256
         s_base = s13_ptr + e.to(gl.int64) * stride_s13e + row0.to(gl.int64) * stride_s13n + sp * 32 * _nsc(IS_NV)
-        pw, ps = _rows_start(w_base, s_base, stride_w13n // 4, stride_s13n, I, BN1, RB, IS_NV,
-                             num_warps)
+        pa, sa, pb, sb = _rows_start(w_base, s_base, stride_w13n // 4, stride_s13n, I, 2 * BN1,
+                                     BN1, RB, IS_NV, AHEAD, num_warps)
         mult = 1.0
         if IS_NV:
             mult = gl.load(g13_ptr + e)
         _rows_dot(w_base, s_base, stride_w13n // 4, stride_s13n, I,
                   xq_ptr + t.to(gl.int64) * (H // 2) + sp * 256, H // 8,
                   xc_ptr + t * (H // 32) + sp * 64, part_ptr + (sp * P + p).to(gl.int64) * (2 * I) + row0,
-                  mult, pw, ps, 2 * BN1, BN1, RB, IS_NV, ASM, num_warps)
+                  mult, pa, sa, pb, sb, 2 * BN1, BN1, RB, IS_NV, ASM, AHEAD, num_warps)
     cta_barrier()
     last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
     if last & (e >= 0):     # the row tile's last slice: sum in slice order, the SwiGLU
@@ -341,7 +362,8 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
 def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, ypair_ptr,
                out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
                stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
-               RB: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+               RB: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
+               num_warps: gl.constexpr):
     """Down tile d of :func:`_decode_kernel`: pair p's activations (K slice sp) times BN2 down
     rows (row tile pn), times its routing weight, into ypair[sp, p]; the last tile of those
     rows sums ypair over the pairs and slices, in order, into out. Its first weight bytes are
@@ -356,16 +378,16 @@ def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, y
         w_base = (w2_ptr + e.to(gl.int64) * stride_w2e + row0.to(gl.int64) * stride_w2n
                   ).to(gl.pointer_type(gl.int32)) + sp * 256
         s_base = s2_ptr + e.to(gl.int64) * stride_s2e + row0.to(gl.int64) * stride_s2n + sp * 32 * _nsc(IS_NV)
-        pw, ps = _rows_start(w_base, s_base, stride_w2n // 4, stride_s2n, 0, BN2, RB, IS_NV,
-                             num_warps)
+        pa, sa, pb, sb = _rows_start(w_base, s_base, stride_w2n // 4, stride_s2n, 0, BN2, BN2,
+                                     RB, IS_NV, AHEAD, num_warps)
         mult = gl.load(topk_w_ptr + p).to(gl.float32)
         if IS_NV:
             mult = mult * gl.load(g2_ptr + e)
         _wait_count(ctr_ptr + 1 + p, n_tiles1)
         _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
                   aq_ptr + p.to(gl.int64) * (I // 2) + sp * 256, I // 8, ac_ptr + p * (I // 32) + sp * 64,
-                  ypair_ptr + (sp * P + p).to(gl.int64) * H + row0, mult, pw, ps, BN2, BN2, RB,
-                  IS_NV, ASM, num_warps)
+                  ypair_ptr + (sp * P + p).to(gl.int64) * H + row0, mult, pa, sa, pb, sb, BN2,
+                  BN2, RB, IS_NV, ASM, AHEAD, num_warps)
     cta_barrier()
     done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
     if done == P * S2 - 1:                # the last of this row tile's down tiles
@@ -389,7 +411,7 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
                    stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
                    IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
                    BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr, PDL: gl.constexpr = False):
+                   num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1):
     """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
     GEMV, as kernels/moe_mma2.py's ``FUSED`` decode schedules it: tiles handed out by a ticket
     counter, all gate/up tiles first, so a down tile waits only for tiles already running.
@@ -408,11 +430,12 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
         _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
                       part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
                       stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV, HAS_LIMIT,
-                      BN1, RB, ASM, num_warps)
+                      BN1, RB, ASM, AHEAD, num_warps)
     else:
         _down_tile(tile - n_gu, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
-                   stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, num_warps)
+                   stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, AHEAD,
+                   num_warps)
 
 
 def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
@@ -437,14 +460,16 @@ def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
 
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
                  w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, RB=2,
-                 num_warps=4, PDL=None, dec="prmt", chains=1):
+                 num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None):
     """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
     launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
-    :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (multiples of
-    ``num_warps x RB`` rows, BN1 of 32 too, dividing I and H); ``RB``: rows a warp an iteration;
+    :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (powers of two,
+    multiples of ``num_warps x RB`` rows, BN1 of 32 too, dividing I and H); ``RB``: rows a warp an iteration;
     ``PDL``: the decode as the first launch's programmatic dependent launch (None: where
     :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``: :func:`block_dot_asm`'s
-    (NVFP4 always 2 chains). No host synchronisation. Explained in
+    (NVFP4 always 2 chains); ``AHEAD`` (1 or 2): iterations whose loads are in flight;
+    ``MAXNREG``: a register cap for the decode's programs (programs an SM are bounded by them).
+    No host synchronisation. Explained in
     notebooks/04_mxfp4_moe_port.ipynb."""
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -456,9 +481,11 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     rr = num_warps * RB
     # a gate/up tile writes whole 32-element blocks of the activations (their factors)
     for name, v, n, low in (("BN1", BN1, I, 32), ("BN2", BN2, H, 1)):
-        if v % low or v % rr or n % v:
-            raise ValueError(f"moe_simt: {name} must be a multiple of {low} and of num_warps x RB "
-                             f"({rr}) dividing {n}, got {v}")
+        if v % low or v % rr or n % v or v & (v - 1):
+            raise ValueError(f"moe_simt: {name} must be a power of two, a multiple of {low} and "
+                             f"of num_warps x RB ({rr}), dividing {n}; got {v}")
+    if AHEAD not in (1, 2):
+        raise ValueError(f"moe_simt: AHEAD must be 1 or 2 (iterations in flight), got {AHEAD!r}")
     if dec not in _PAIRS or chains not in (1, 2):
         raise ValueError(f"moe_simt: dec must be one of {sorted(_PAIRS)} and chains 1 or 2, got "
                          f"{dec!r}, {chains!r}")
@@ -492,5 +519,5 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
         out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
         ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
-        PDL=pdl, launch_pdl=pdl)
+        PDL=pdl, AHEAD=AHEAD, launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
     return out

@@ -27,10 +27,11 @@ from dsv4lab.kernels import moe as kmoe
 
 
 def _decode_kernels() -> dict:
-    """The compiled builds of moe_mma2's fused decode kernel so far: cache key -> kernel."""
-    from dsv4lab.kernels import moe_mma2
-    return {key: kern for cache in moe_mma2._decode_kernel.device_caches.values()
-            for key, kern in cache[0].items()}
+    """The compiled builds of the fused decode kernels so far (moe_mma2's, moe_simt's):
+    cache key -> kernel."""
+    from dsv4lab.kernels import moe_mma2, moe_simt
+    return {(i, key): kern for i, fn in enumerate((moe_mma2._decode_kernel, moe_simt._decode_kernel))
+            for cache in fn.device_caches.values() for key, kern in cache[0].items()}
 
 
 def main() -> int:

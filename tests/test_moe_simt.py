@@ -157,7 +157,7 @@ def test_gpu_simt_refusals_and_table_fallback():
     from dsv4lab.kernels import moe_mma2, moe_simt
     x, ex, ids, w = _case(4, 4096, 2048, 1, 2, "mxfp4", "random", seed=1)
     args = (ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-    with pytest.raises(ValueError, match="BN1 must be a multiple of 32"):
+    with pytest.raises(ValueError, match="BN1 must be a power of two, a multiple of 32"):
         moe_simt.fused_decode(x, *args, BN1=48)
     with pytest.raises(ValueError, match="dec must be one of"):
         moe_simt.fused_decode(x, *args, dec="lut")
