@@ -28,7 +28,8 @@ from triton.experimental.gluon import language as gl
 
 from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
 from dsv4lab.kernels.gluon_compat import cta_barrier
-from dsv4lab.kernels.moe_mma2 import _gdc_wait, _swiglu, _wait_count
+from dsv4lab.kernels import moe_mma2
+from dsv4lab.kernels.moe_mma2 import TIMELINE, _gdc_wait, _stamp, _swiglu, _wait_count
 
 # e5m2 bit placement of 4 packed bytes ($4 + 4 j: word j of the block): l holds the low
 # nibbles' bytes, h the high nibbles'
@@ -310,8 +311,8 @@ def _x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x, PDL: g
 
 @gluon.jit
 def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
-                  part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e, stride_w13n,
-                  stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
+                  part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
+                  stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
                   HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, RB: gl.constexpr,
                   ASM: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel`: pair p's BN1 gate rows and their BN1
@@ -335,10 +336,12 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
         mult = 1.0
         if IS_NV:
             mult = gl.load(g13_ptr + e)
+        _stamp(stamps_ptr, tile, 2, num_warps)
         _rows_dot(w_base, s_base, stride_w13n // 4, stride_s13n, I,
                   xq_ptr + t.to(gl.int64) * (H // 2) + sp * 256, H // 8,
                   xc_ptr + t * (H // 32) + sp * 64, part_ptr + (sp * P + p).to(gl.int64) * (2 * I) + row0,
                   mult, pa, sa, pb, sb, 2 * BN1, BN1, RB, IS_NV, ASM, AHEAD, num_warps)
+        _stamp(stamps_ptr, tile, 3, num_warps)
     cta_barrier()
     last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
     if last & (e >= 0):     # the row tile's last slice: sum in slice order, the SwiGLU
@@ -356,11 +359,12 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
     if last:
         cta_barrier()                         # every thread's stores, then one release
         gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
+    _stamp(stamps_ptr, tile, 4, num_warps)
 
 
 @gluon.jit
-def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, ypair_ptr,
-               out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
+def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, ypair_ptr,
+               out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
                stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
                RB: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
                num_warps: gl.constexpr):
@@ -384,10 +388,12 @@ def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, y
         if IS_NV:
             mult = mult * gl.load(g2_ptr + e)
         _wait_count(ctr_ptr + 1 + p, n_tiles1)
+        _stamp(stamps_ptr, ticket, 2, num_warps)
         _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
                   aq_ptr + p.to(gl.int64) * (I // 2) + sp * 256, I // 8, ac_ptr + p * (I // 32) + sp * 64,
                   ypair_ptr + (sp * P + p).to(gl.int64) * H + row0, mult, pa, sa, pb, sb, BN2,
                   BN2, RB, IS_NV, ASM, AHEAD, num_warps)
+        _stamp(stamps_ptr, ticket, 3, num_warps)
     cta_barrier()
     done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
     if done == P * S2 - 1:                # the last of this row tile's down tiles
@@ -402,11 +408,13 @@ def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, y
                                  mask=live, other=0.0, cache_modifier=".cg")
         gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
                  total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+    _stamp(stamps_ptr, ticket, 4, num_warps)
 
 
 @gluon.jit
 def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr,
-                   topk_w_ptr, aq_ptr, ac_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK,
+                   topk_w_ptr, aq_ptr, ac_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T,
+                   TOPK,
                    I, H, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
                    stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
                    IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
@@ -419,21 +427,31 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
     gate/up row tiles; [1 + P + n] the finished down tiles of hidden rows n BN2 ...;
     [1 + P + H / BN2 + g] the finished K slices of gate/up row tile g. K slices are 2048
     elements (H / 2048 for gate/up, I / 2048 for down). ``PDL``: launched as x's pairs'
-    programmatic dependent launch; every program waits for that kernel before its ticket."""
+    programmatic dependent launch; every program waits for that kernel before its ticket.
+    The timeline's stamps as moe_mma2's (``DSV4LAB_MOE_TIMELINE=1``; scripts/profile_moe.py
+    --timeline)."""
     n_tiles1 = I // BN1
     n_tiles2 = H // BN2
     n_gu = P * n_tiles1 * (H // 2048)
     if PDL:
         _gdc_wait(num_warps)
+    t0 = 0
+    if TIMELINE:
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
+                                       is_pure=False, pack=1)
     tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    if TIMELINE:
+        gl.store(stamps_ptr + tile * 8, t0)
+        _stamp(stamps_ptr, tile, 1, num_warps)
+        _stamp(stamps_ptr, tile, 5, num_warps)
     if tile < n_gu:
         _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
-                      part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
+                      part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
                       stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV, HAS_LIMIT,
                       BN1, RB, ASM, AHEAD, num_warps)
     else:
-        _down_tile(tile - n_gu, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
-                   ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
+        _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
+                   ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
                    stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, AHEAD,
                    num_warps)
 
@@ -510,10 +528,15 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
                                     PDL=pdl, num_warps=2)
     g13 = w13_global.contiguous() if is_nv else xc
     g2 = w2_global.contiguous() if is_nv else xc
-    grid = (P * (I // BN1) * (H // 2048) + P * (H // BN2) * (I // 2048),)
+    n_gu = P * (I // BN1) * (H // 2048)
+    grid = (n_gu + P * (H // BN2) * (I // 2048),)
+    stamps = counters
+    if TIMELINE:
+        stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
+        moe_mma2._LAST_TIMELINE[:] = [stamps, n_gu]
     _decode_kernel[grid](
         xq, xc, w13, w13_scale, g13, w2, w2_scale, g2, topk_ids.contiguous(),
-        topk_weights.reshape(-1).contiguous(), aq, ac, part, ypair, out, counters, P, T,
+        topk_weights.reshape(-1).contiguous(), aq, ac, part, ypair, out, counters, stamps, P, T,
         topk_ids.shape[1], I, H, w13.stride(0), w13.stride(1), w13_scale.stride(0),
         w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
