@@ -1298,7 +1298,7 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``TILED`` (the fused launch with REGS only): w13, w2 and their scales are in
     :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one;
     ``"weights"``: the weights only (``pack_tile_major(..., scales=False)``).
-    ``SIMT`` (True, or a dict of its own keywords: RB, dec, chains, AHEAD): the one-launch decode of
+    ``SIMT`` (True, or a dict of its own keywords: RB, dec, chains, AHEAD, PREFETCH): the decode of
     :mod:`dsv4lab.kernels.moe_simt` instead (GEMVs on the CUDA cores; FUSED, at most 8 tokens,
     the canonical layout; BN1, BN2, num_warps, PDL and MAXNREG are passed on, the other keys
     unused);

@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
 from dsv4lab.kernels.gluon_compat import cta_barrier
 from dsv4lab.kernels import moe_mma2
-from dsv4lab.kernels.moe_mma2 import TIMELINE, _gdc_wait, _stamp, _swiglu, _wait_count
+from dsv4lab.kernels.moe_mma2 import TIMELINE, _gdc_wait, _prefetch_l2, _stamp, _swiglu, _wait_count
 
 # e5m2 bit placement of 4 packed bytes ($4 + 4 j: word j of the block): l holds the low
 # nibbles' bytes, h the high nibbles'
@@ -367,7 +367,7 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, a
                out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
                stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
                RB: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
-               num_warps: gl.constexpr):
+               num_warps: gl.constexpr, PREFETCH: gl.constexpr = False):
     """Down tile d of :func:`_decode_kernel`: pair p's activations (K slice sp) times BN2 down
     rows (row tile pn), times its routing weight, into ypair[sp, p]; the last tile of those
     rows sums ypair over the pairs and slices, in order, into out. Its first weight bytes are
@@ -387,6 +387,10 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, a
         mult = gl.load(topk_w_ptr + p).to(gl.float32)
         if IS_NV:
             mult = mult * gl.load(g2_ptr + e)
+        if PREFETCH:    # the rest of the tile's bytes asked of the L2 while it waits
+            rows = gl.arange(0, BN2, layout=gl.SliceLayout(1, _layout(1, 1, num_warps)))
+            _prefetch_l2((w_base + rows * (stride_w2n // 4)).to(gl.pointer_type(gl.int8)), 1024, BN2,
+                         num_warps)
         _wait_count(ctr_ptr + 1 + p, n_tiles1)
         _stamp(stamps_ptr, ticket, 2, num_warps)
         _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
@@ -419,7 +423,8 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
                    stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
                    IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
                    BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1):
+                   num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1,
+                   PREFETCH: gl.constexpr = False):
     """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
     GEMV, as kernels/moe_mma2.py's ``FUSED`` decode schedules it: tiles handed out by a ticket
     counter, all gate/up tiles first, so a down tile waits only for tiles already running.
@@ -453,7 +458,7 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
                    stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, AHEAD,
-                   num_warps)
+                   num_warps, PREFETCH)
 
 
 def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
@@ -478,7 +483,8 @@ def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
 
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
                  w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, RB=2,
-                 num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None):
+                 num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None,
+                 PREFETCH=False):
     """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
     launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
     :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (powers of two,
@@ -486,7 +492,8 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     ``PDL``: the decode as the first launch's programmatic dependent launch (None: where
     :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``: :func:`block_dot_asm`'s
     (NVFP4 always 2 chains); ``AHEAD`` (1 or 2): iterations whose loads are in flight;
-    ``MAXNREG``: a register cap for the decode's programs (programs an SM are bounded by them).
+    ``MAXNREG``: a register cap for the decode's programs (programs an SM are bounded by them);
+    ``PREFETCH``: a down tile asks the L2 for its weight bytes before it waits.
     No host synchronisation. Explained in
     notebooks/04_mxfp4_moe_port.ipynb."""
     T, H = x.shape
@@ -542,5 +549,5 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
         out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
         ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
-        PDL=pdl, AHEAD=AHEAD, launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
+        PDL=pdl, AHEAD=AHEAD, PREFETCH=bool(PREFETCH), launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
     return out
