@@ -25,10 +25,9 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
-from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
+from dsv4lab.kernels.gluon_compat import cta_barrier
 from dsv4lab.kernels import moe_mma2
 from dsv4lab.kernels.moe_mma2 import TIMELINE, _gdc_wait, _stamp, _swiglu, _wait_count
 
@@ -98,15 +97,14 @@ def block_dot_asm(dec: str = "prmt", chains: int = 1, outs: int = 1) -> str:
 
 
 @triton.constexpr_function
-def _layout(RB, per, W, KW):
-    """[W / KW RB rows, 32 KW per columns]: warp (a, b) holds rows a RB ... of K slice b (KW
-    slices of 2048 elements side by side), lane l of it the slice's columns l per ..."""
-    return gl.BlockedLayout([RB, per], [1, 32], [W // KW, KW], [1, 0])
+def _layout(RB, per, W):
+    """[W RB rows, 32 per columns]: warp w rows w RB ...; lane l columns l per ... (per each)."""
+    return gl.BlockedLayout([RB, per], [1, 32], [W, 1], [1, 0])
 
 
 @triton.constexpr_function
-def _pow2(n):
-    return 1 << (n - 1).bit_length()
+def _log2(n):
+    return n.bit_length() - 1
 
 
 @triton.constexpr_function
@@ -116,32 +114,27 @@ def _nsc(IS_NV):
 
 
 @gluon.jit
-def _row_index(it, r, RR: gl.constexpr, PAIRED: gl.constexpr, JUMP):
-    """Local row r of iteration it -> its row of the matrix (from the tile's first): it RR + r,
-    or, ``PAIRED`` (a gate/up tile), row it RR / 2 + r // 2 of the gate block (r even) or of
-    the up block JUMP rows on (r odd), so that an iteration's matching gate and up rows sit in
-    neighbouring registers."""
-    if PAIRED:
-        return it * (RR // 2) + (r >> 1) + (r & 1) * JUMP
-    else:
-        return it * RR + r
+def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
+    """Local row r of iteration it -> its row of the matrix (from the first): the tile's rows
+    run in blocks of HALF, JUMP apart (a gate/up tile: its gate rows, then the up rows)."""
+    q = it * RR + r                     # >= 0, HALF a power of two: masks and shifts
+    return (q & (HALF - 1)) + (q >> _log2(HALF)) * JUMP
 
 
 @gluon.jit
-def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, PAIRED: gl.constexpr,
-                    RB: gl.constexpr, KW: gl.constexpr, IS_NV: gl.constexpr,
-                    num_warps: gl.constexpr):
-    """Iteration it's weight words [RR, 256 KW] and scale bytes [RR, 32 NSC KW] (a lane's 32
-    bytes of a row, two 16-byte loads, and their scales) under the L2 evict-first policy.
-    ``w_base``: int32 pointer to the tile's first row, ``s_base``: its scales; ``stride_w4``:
-    words a row."""
-    RR: gl.constexpr = num_warps // KW * RB
-    WL: gl.constexpr = _layout(RB, 8, num_warps, KW)
-    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps, KW)
-    cw = gl.arange(0, 256 * KW, layout=gl.SliceLayout(0, WL))
-    cs = gl.arange(0, 32 * _nsc(IS_NV) * KW, layout=gl.SliceLayout(0, SL))
-    rw = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, WL)), RR, PAIRED, JUMP)
-    rs = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, SL)), RR, PAIRED, JUMP)
+def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
+                    RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
+    """Iteration it's weight words [W RB, 256] and scale bytes [W RB, 32 NSC] (each lane its
+    32 bytes of a row, two 16-byte loads, and their scales) under the L2 evict-first policy.
+    ``w_base``: int32 pointer to the first row's slice, ``s_base``: its scales;
+    ``stride_w4``: words a row."""
+    RR: gl.constexpr = num_warps * RB
+    WL: gl.constexpr = _layout(RB, 8, num_warps)
+    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps)
+    cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
+    cs = gl.arange(0, 32 * _nsc(IS_NV), layout=gl.SliceLayout(0, SL))
+    rw = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, WL)), RR, HALF, JUMP)
+    rs = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, SL)), RR, HALF, JUMP)
     p = gl.load(w_base + cw[None, :] + (rw * stride_w4)[:, None], eviction_policy="evict_first")
     s = gl.load(s_base + cs[None, :] + (rs * stride_sn)[:, None], eviction_policy="evict_first")
     return p, s
@@ -149,75 +142,60 @@ def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, PAIRED: gl.c
 
 @gluon.jit
 def _rows_start(w_base, s_base, stride_w4, stride_sn, JUMP, R: gl.constexpr,
-                PAIRED: gl.constexpr, RB: gl.constexpr, KW: gl.constexpr, IS_NV: gl.constexpr,
+                HALF: gl.constexpr, RB: gl.constexpr, IS_NV: gl.constexpr,
                 AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """The loads of :func:`_rows_dot`'s first AHEAD iterations (issued apart, so that a tile
     may ask for them before it waits): (words, scales) of iteration 0, then of iteration 1
     (AHEAD 2; else iteration 0's again, unused)."""
-    pa, sa = _load_iteration(w_base, s_base, 0, stride_w4, stride_sn, JUMP, PAIRED, RB, KW,
-                             IS_NV, num_warps)
+    pa, sa = _load_iteration(w_base, s_base, 0, stride_w4, stride_sn, JUMP, HALF, RB, IS_NV,
+                             num_warps)
     pb, sb = pa, sa
     if AHEAD == 2:
-        pb, sb = _load_iteration(w_base, s_base, gl.minimum(1, R // (num_warps // KW * RB) - 1),
-                                 stride_w4, stride_sn, JUMP, PAIRED, RB, KW, IS_NV, num_warps)
+        pb, sb = _load_iteration(w_base, s_base, gl.minimum(1, R // (num_warps * RB) - 1),
+                                 stride_w4, stride_sn, JUMP, HALF, RB, IS_NV, num_warps)
     return pa, sa, pb, sb
 
 
 @gluon.jit
-def _x_operand(xq_base, plane, cx_base, RB: gl.constexpr, KW: gl.constexpr,
-               IS_NV: gl.constexpr, num_warps: gl.constexpr):
-    """x's pair words x0..x3 [1, 256 KW] (``xq_base + i plane + w``, :func:`block_dot_asm`'s
-    order) and the factors [1, 32 NSC KW] of its blocks (``cx_base[b]``, b < 64 KW; NVFP4's
-    two scale blocks of a 32-element block share one) of :func:`x_pairs`, in registers."""
+def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_base, out_base,
+              mult, pa, sa, pb, sb, R: gl.constexpr, HALF: gl.constexpr, RB: gl.constexpr,
+              IS_NV: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
+              num_warps: gl.constexpr):
+    """R rows (see :func:`_row_index`) of a 2048-element K slice times x's slice, times
+    ``mult``, into out_base[row] (fp32). x's slice: the pair words ``xq_base + i plane + w``
+    (i < 4, w < 256; :func:`block_dot_asm`'s order) and the factors ``cx_base[b]`` (b < 64)
+    of :func:`x_pairs`. ``pa``...: :func:`_rows_start`'s loads. Each iteration a warp takes
+    RB rows; the bytes of the AHEAD iterations after it are in flight while it works."""
+    W: gl.constexpr = num_warps
+    RR: gl.constexpr = W * RB
     NSC: gl.constexpr = _nsc(IS_NV)
-    cw = gl.arange(0, 256 * KW, layout=gl.SliceLayout(0, _layout(RB, 8, num_warps, KW)))
-    cs = gl.arange(0, 32 * NSC * KW, layout=gl.SliceLayout(0, _layout(RB, NSC, num_warps, KW)))
+    WL: gl.constexpr = _layout(RB, 8, W)
+    SL: gl.constexpr = _layout(RB, NSC, W)
+    cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
+    cs = gl.arange(0, 32 * NSC, layout=gl.SliceLayout(0, SL))
+    rs = gl.arange(0, RR, layout=gl.SliceLayout(1, SL))
     x0 = gl.expand_dims(gl.load(xq_base + cw), 0)
     x1 = gl.expand_dims(gl.load(xq_base + plane + cw), 0)
     x2 = gl.expand_dims(gl.load(xq_base + 2 * plane + cw), 0)
     x3 = gl.expand_dims(gl.load(xq_base + 3 * plane + cw), 0)
-    return x0, x1, x2, x3, gl.expand_dims(gl.load(cx_base + cs // (NSC // 2)), 0)
-
-
-@gluon.jit
-def _iteration_dot(p, s, x0, x1, x2, x3, cx, RB: gl.constexpr, KW: gl.constexpr,
-                   IS_NV: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
-    """An iteration's rows times x: words p [RR, 256 KW] and scale bytes s of
-    :func:`_load_iteration` -> the row sums [RR] (fp32; the KW slices' sums meet in them)."""
-    RR: gl.constexpr = num_warps // KW * RB
-    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps, KW)
-    o = gl.inline_asm_elementwise(ASM, "=f,=f,=f,=f" + ",r" * 20, [p, x0, x1, x2, x3],
-                                  dtype=gl.float32, is_pure=True, pack=4)
-    o = gl.reshape(o, [RR, 64 * KW, 2, 2])
-    if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
-        o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
-        o = gl.reshape(o, [RR, 128 * KW])
-        f = s.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    else:           # result 0: the block
-        o, _ = gl.split(o)
-        o, _ = gl.split(o)
-        f = (s.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-    return gl.sum(gl.convert_layout(o, SL, assert_trivial=True) * f * cx, axis=1)
-
-
-@gluon.jit
-def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_base, out_base,
-              mult, pa, sa, pb, sb, R: gl.constexpr, PAIRED: gl.constexpr, RB: gl.constexpr,
-              KW: gl.constexpr, IS_NV: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
-              num_warps: gl.constexpr):
-    """R rows (see :func:`_row_index`) of 2048 KW elements times x (:func:`_x_operand`'s),
-    times ``mult``, into out_base[row] (fp32). ``pa``...: :func:`_rows_start`'s loads. Each
-    iteration a warp takes RB rows of its K slice; the bytes of the AHEAD iterations after it
-    are in flight while it works."""
-    RR: gl.constexpr = num_warps // KW * RB
-    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps, KW)
-    rs = gl.arange(0, RR, layout=gl.SliceLayout(1, SL))
-    x0, x1, x2, x3, cx = _x_operand(xq_base, plane, cx_base, RB, KW, IS_NV, num_warps)
+    cx = gl.expand_dims(gl.load(cx_base + cs // (NSC // 2)), 0)
     for it in range(R // RR):
         pn, sn = _load_iteration(w_base, s_base, gl.minimum(it + AHEAD, R // RR - 1), stride_w4,
-                                 stride_sn, JUMP, PAIRED, RB, KW, IS_NV, num_warps)
-        tot = _iteration_dot(pa, sa, x0, x1, x2, x3, cx, RB, KW, IS_NV, ASM, num_warps)
-        gl.store(out_base + _row_index(it, rs, RR, PAIRED, JUMP), tot * mult)
+                                 stride_sn, JUMP, HALF, RB, IS_NV, W)
+        o = gl.inline_asm_elementwise(ASM, "=f,=f,=f,=f" + ",r" * 20, [pa, x0, x1, x2, x3],
+                                      dtype=gl.float32, is_pure=True, pack=4)
+        o = gl.reshape(o, [RR, 64, 2, 2])
+        if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
+            o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
+            o = gl.reshape(o, [RR, 128])
+            f = sa.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+        else:           # result 0: the block
+            o, _ = gl.split(o)
+            o, _ = gl.split(o)
+            f = (sa.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+        o = gl.convert_layout(o, SL, assert_trivial=True)
+        tot = gl.sum(o * f * cx, axis=1) * mult
+        gl.store(out_base + _row_index(it, rs, RR, HALF, JUMP), tot)
         if AHEAD == 2:
             pa, sa = pb, sb
             pb, sb = pn, sn
@@ -235,11 +213,11 @@ def _rows_kernel(w_ptr, s_ptr, xq_ptr, cx_ptr, out_ptr, stride_wn, stride_sn, st
     NSC: gl.constexpr = _nsc(IS_NV)
     w_base = (w_ptr + (tile * R).to(gl.int64) * stride_wn).to(gl.pointer_type(gl.int32)) + sl * 256
     s_base = s_ptr + (tile * R).to(gl.int64) * stride_sn + sl * 32 * NSC
-    pa, sa, pb, sb = _rows_start(w_base, s_base, stride_wn // 4, stride_sn, 0, R, False, RB, 1,
-                                 IS_NV, 1, num_warps)
+    pa, sa, pb, sb = _rows_start(w_base, s_base, stride_wn // 4, stride_sn, 0, R, R, RB, IS_NV,
+                                 1, num_warps)
     _rows_dot(w_base, s_base, stride_wn // 4, stride_sn, 0, xq_ptr + sl * stride_xs, 4 * stride_xs,
               cx_ptr + sl * stride_cs, out_ptr + sl * stride_os + tile * R, 1.0, pa, sa, pb, sb,
-              R, False, RB, 1, IS_NV, ASM, 1, num_warps)
+              R, R, RB, IS_NV, ASM, 1, num_warps)
 
 
 def x_pairs(x: torch.Tensor, slices: int):
@@ -333,14 +311,14 @@ def _x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x, PDL: g
 
 @gluon.jit
 def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
-                  part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, stride_w13e,
+                  part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
                   stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
                   HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, RB: gl.constexpr,
                   ASM: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Gate/up tile ``tile`` of :func:`_decode_kernel`: pair p's BN1 gate rows and their BN1
-    up rows (row tile pn) over K slice sp (2048 elements), into part[sp, p]; the row tile's
-    last slice to finish sums the slices in order, takes the SwiGLU and writes those BN1
-    activations as the down tiles' x (:func:`_store_pairs`), then releases the pair's count."""
+    up rows (row tile pn) over K slice sp, into part[sp, p]; the row tile's last slice sums
+    the slices, takes the SwiGLU and writes those BN1 activations as the down tiles' x
+    (:func:`_store_pairs`), then releases the pair's count."""
     S1 = H // 2048
     g = tile // S1
     sp = tile % S1
@@ -352,23 +330,20 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
         row0 = pn * BN1
         w_base = (w13_ptr + e.to(gl.int64) * stride_w13e + row0.to(gl.int64) * stride_w13n
                   ).to(gl.pointer_type(gl.int32)) + sp * 256
-        s_base = (s13_ptr + e.to(gl.int64) * stride_s13e + row0.to(gl.int64) * stride_s13n
-                  + sp * 32 * _nsc(IS_NV))
+        s_base = s13_ptr + e.to(gl.int64) * stride_s13e + row0.to(gl.int64) * stride_s13n + sp * 32 * _nsc(IS_NV)
         pa, sa, pb, sb = _rows_start(w_base, s_base, stride_w13n // 4, stride_s13n, I, 2 * BN1,
-                                     True, RB, 1, IS_NV, AHEAD, num_warps)
+                                     BN1, RB, IS_NV, AHEAD, num_warps)
         mult = 1.0
         if IS_NV:
             mult = gl.load(g13_ptr + e)
         _stamp(stamps_ptr, tile, 2, num_warps)
         _rows_dot(w_base, s_base, stride_w13n // 4, stride_s13n, I,
-                  xq_ptr + t.to(gl.int64) * (H // 2) + sp * 256, H // 8, xc_ptr + t * (H // 32) + sp * 64,
-                  part_ptr + (sp * P + p).to(gl.int64) * (2 * I) + row0, mult, pa, sa, pb, sb,
-                  2 * BN1, True, RB, 1, IS_NV, ASM, AHEAD, num_warps)
+                  xq_ptr + t.to(gl.int64) * (H // 2) + sp * 256, H // 8,
+                  xc_ptr + t * (H // 32) + sp * 64, part_ptr + (sp * P + p).to(gl.int64) * (2 * I) + row0,
+                  mult, pa, sa, pb, sb, 2 * BN1, BN1, RB, IS_NV, ASM, AHEAD, num_warps)
         _stamp(stamps_ptr, tile, 3, num_warps)
-    last = True
-    if S1 > 1:
-        cta_barrier()
-        last = gl.atomic_add(ctr_ptr + 1 + P + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
+    cta_barrier()
+    last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
     if last & (e >= 0):     # the row tile's last slice: sum in slice order, the SwiGLU
         BL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])  # few registers
         n = (pn * BN1 + gl.arange(0, BN1 // 32, layout=gl.SliceLayout(1, BL))[:, None] * 32
@@ -388,114 +363,73 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
 
 
 @gluon.jit
-def _pair_rows(w2_ptr, s2_ptr, e, row0, stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-               RB: gl.constexpr, KS2: gl.constexpr, IS_NV: gl.constexpr,
+def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, ypair_ptr,
+               out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
+               stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
+               RB: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
                num_warps: gl.constexpr):
-    """Expert e's down rows row0 ... (one iteration's) over the whole K (words, scale bytes);
-    nothing is read for e < 0 (a -1 slot: zeros)."""
-    e64 = gl.maximum(e, 0).to(gl.int64)
-    w_base = (w2_ptr + e64 * stride_w2e + row0.to(gl.int64) * stride_w2n).to(gl.pointer_type(gl.int32))
-    s_base = s2_ptr + e64 * stride_s2e + row0.to(gl.int64) * stride_s2n
-    RR: gl.constexpr = num_warps // KS2 * RB
-    WL: gl.constexpr = _layout(RB, 8, num_warps, KS2)
-    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps, KS2)
-    cw = gl.arange(0, 256 * KS2, layout=gl.SliceLayout(0, WL))
-    cs = gl.arange(0, 32 * _nsc(IS_NV) * KS2, layout=gl.SliceLayout(0, SL))
-    rw = gl.arange(0, RR, layout=gl.SliceLayout(1, WL))
-    rs = gl.arange(0, RR, layout=gl.SliceLayout(1, SL))
-    live = e >= 0
-    p = gl.load(w_base + cw[None, :] + (rw * (stride_w2n // 4))[:, None], mask=live, other=0,
-                eviction_policy="evict_first")
-    s = gl.load(s_base + cs[None, :] + (rs * stride_s2n)[:, None], mask=live, other=0,
-                eviction_policy="evict_first")
-    return p, s
-
-
-@gluon.jit
-def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, out_ptr,
-               ctr_ptr, stamps_ptr, I, n_tiles1, n_tiles2, stride_w2e, stride_w2n, stride_s2e,
-               stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
-               RB: gl.constexpr, KS2: gl.constexpr, TOPK: gl.constexpr, ASM: gl.constexpr,
-               num_warps: gl.constexpr):
-    """Down tile d of :func:`_decode_kernel`: token t's BN2 hidden rows (row tile pn), summed
-    over its TOPK pairs in slot order in registers, into out. Pair 0's weight bytes are asked
-    for first; then, each pair's activations done, their x words are copied into shared
-    memory (cp.async); then, pair by pair, the pair's rows times its x (the next pair's bytes
-    in flight), times its routing weight. One iteration of rows a pair: BN2 is the rows an
-    iteration takes (num_warps / KS2 x RB)."""
-    W: gl.constexpr = num_warps
-    NW: gl.constexpr = 256 * KS2               # pair words a plane
-    NSC: gl.constexpr = _nsc(IS_NV)
-    SL: gl.constexpr = _layout(RB, NSC, W, KS2)
-    WL: gl.constexpr = _layout(RB, 8, W, KS2)
-    CP: gl.constexpr = gl.BlockedLayout([4], [32], [W], [0])     # 16-byte copies
-    t = d // n_tiles2
-    pn = d % n_tiles2
-    row0 = pn * BN2
-    q0 = t * TOPK
-    cs = gl.arange(0, 32 * NSC * KS2, layout=gl.SliceLayout(0, SL))
-    e = gl.load(ids_ptr + q0)
-    pa, sa = _pair_rows(w2_ptr, s2_ptr, e, row0, stride_w2e, stride_w2n, stride_s2e, stride_s2n,
-                        RB, KS2, IS_NV, W)
-    cx = gl.expand_dims(gl.load(ac_ptr + q0 * (I // 32) + cs // (NSC // 2), mask=e >= 0, other=0.0), 0)
-    # (a layout of one rank less: .index(k) is then a pair's 1-D row)
-    xs = gl.allocate_shared_memory(gl.int32, [_pow2(TOPK), 4 * NW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    cw = gl.arange(0, 4 * NW, layout=CP)
-    for k in gl.static_range(TOPK):
-        ek = gl.load(ids_ptr + q0 + k)
-        if ek >= 0:
-            _wait_count(ctr_ptr + 1 + q0 + k, n_tiles1)
-        async_load(xs.index(k), aq_ptr + (q0 + k).to(gl.int64) * (I // 2) + cw,
-                   mask=(cw >= 0) & (ek >= 0))
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    cta_barrier()
-    _stamp(stamps_ptr, ticket, 2, num_warps)
-    acc = gl.zeros([BN2], gl.float32, layout=gl.SliceLayout(1, SL))
-    for k in gl.static_range(TOPK):
-        if k + 1 < TOPK:        # the next pair's bytes while this one works
-            e1 = gl.load(ids_ptr + q0 + k + 1)
-            pn_, sn_ = _pair_rows(w2_ptr, s2_ptr, e1, row0, stride_w2e, stride_w2n, stride_s2e,
-                                  stride_s2n, RB, KS2, IS_NV, W)
-            cn = gl.expand_dims(gl.load(ac_ptr + (q0 + k + 1) * (I // 32) + cs // (NSC // 2),
-                                        mask=e1 >= 0, other=0.0), 0)
-        xk = xs.index(k)
-        x0 = gl.expand_dims(xk.slice(0, NW).load(gl.SliceLayout(0, WL)), 0)
-        x1 = gl.expand_dims(xk.slice(NW, NW).load(gl.SliceLayout(0, WL)), 0)
-        x2 = gl.expand_dims(xk.slice(2 * NW, NW).load(gl.SliceLayout(0, WL)), 0)
-        x3 = gl.expand_dims(xk.slice(3 * NW, NW).load(gl.SliceLayout(0, WL)), 0)
-        mult = gl.load(topk_w_ptr + q0 + k).to(gl.float32)
+    """Down tile d of :func:`_decode_kernel`: pair p's activations (K slice sp) times BN2 down
+    rows (row tile pn), times its routing weight, into ypair[sp, p]; the last tile of those
+    rows sums ypair over the pairs and slices, in order, into out. Its first weight bytes are
+    asked for before it waits for the activations."""
+    S2 = I // 2048
+    sp = d % S2
+    p = d // S2 // n_tiles2
+    pn = d // S2 % n_tiles2
+    e = gl.load(ids_ptr + p)
+    if e >= 0:
+        row0 = pn * BN2
+        w_base = (w2_ptr + e.to(gl.int64) * stride_w2e + row0.to(gl.int64) * stride_w2n
+                  ).to(gl.pointer_type(gl.int32)) + sp * 256
+        s_base = s2_ptr + e.to(gl.int64) * stride_s2e + row0.to(gl.int64) * stride_s2n + sp * 32 * _nsc(IS_NV)
+        pa, sa, pb, sb = _rows_start(w_base, s_base, stride_w2n // 4, stride_s2n, 0, BN2, BN2,
+                                     RB, IS_NV, AHEAD, num_warps)
+        mult = gl.load(topk_w_ptr + p).to(gl.float32)
         if IS_NV:
-            mult = mult * gl.load(g2_ptr + gl.maximum(e, 0))
-        tot = _iteration_dot(pa, sa, x0, x1, x2, x3, cx, RB, KS2, IS_NV, ASM, W)
-        acc += gl.where(e >= 0, tot * mult, 0.0)
-        if k + 1 < TOPK:
-            pa, sa, cx, e = pn_, sn_, cn, e1
-    _stamp(stamps_ptr, ticket, 3, num_warps)
-    rs = gl.arange(0, BN2, layout=gl.SliceLayout(1, SL))
-    gl.store(out_ptr + t.to(gl.int64) * stride_out + row0 + rs, acc.to(out_ptr.dtype.element_ty))
+            mult = mult * gl.load(g2_ptr + e)
+        _wait_count(ctr_ptr + 1 + p, n_tiles1)
+        _stamp(stamps_ptr, ticket, 2, num_warps)
+        _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
+                  aq_ptr + p.to(gl.int64) * (I // 2) + sp * 256, I // 8, ac_ptr + p * (I // 32) + sp * 64,
+                  ypair_ptr + (sp * P + p).to(gl.int64) * H + row0, mult, pa, sa, pb, sb, BN2,
+                  BN2, RB, IS_NV, ASM, AHEAD, num_warps)
+        _stamp(stamps_ptr, ticket, 3, num_warps)
+    cta_barrier()
+    done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
+    if done == P * S2 - 1:                # the last of this row tile's down tiles
+        OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
+        offs_h = pn * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, OL))
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+        total = gl.zeros([BN2, 8], gl.float32, layout=OL)
+        for q in range(P):                # pairs and slices in order: the same sum every call
+            live = (m == q // TOPK)[None, :] & (gl.load(ids_ptr + q) >= 0)
+            for q2 in range(S2):
+                total += gl.load(ypair_ptr + (q2 * P + q).to(gl.int64) * H + offs_h[:, None] + m[None, :] * 0,
+                                 mask=live, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
+                 total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
     _stamp(stamps_ptr, ticket, 4, num_warps)
 
 
 @gluon.jit
 def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr,
-                   topk_w_ptr, aq_ptr, ac_ptr, part_ptr, out_ptr, ctr_ptr, stamps_ptr, P, I, H,
-                   stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e, stride_w2n,
-                   stride_s2e, stride_s2n, stride_out, swiglu_limit, IS_NV: gl.constexpr,
-                   HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, BN2: gl.constexpr,
-                   RB: gl.constexpr, KS2: gl.constexpr, TOPK: gl.constexpr, ASM: gl.constexpr,
+                   topk_w_ptr, aq_ptr, ac_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T,
+                   TOPK,
+                   I, H, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
+                   IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
+                   BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1):
     """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
     GEMV, as kernels/moe_mma2.py's ``FUSED`` decode schedules it: tiles handed out by a ticket
     counter, all gate/up tiles first, so a down tile waits only for tiles already running.
     Counters (zeroed by :func:`_x_pairs_kernel`): [0] the ticket; [1 + p] pair p's finished
-    gate/up row tiles; [1 + P + g] the finished K slices of gate/up row tile g. Gate/up tiles
-    take K slices of 2048 elements (H / 2048 of them, summed by the last to finish); a down
-    tile takes the whole K (KS2 = I / 2048 slices side by side, one a column of warps) and a
-    token's pairs. ``PDL``: launched as x's pairs' programmatic dependent launch; every
-    program waits for that kernel before its ticket. The timeline's stamps as moe_mma2's
-    (``DSV4LAB_MOE_TIMELINE=1``; scripts/profile_moe.py --timeline; a down tile's "loop start"
-    is when its x is in shared memory)."""
+    gate/up row tiles; [1 + P + n] the finished down tiles of hidden rows n BN2 ...;
+    [1 + P + H / BN2 + g] the finished K slices of gate/up row tile g. K slices are 2048
+    elements (H / 2048 for gate/up, I / 2048 for down). ``PDL``: launched as x's pairs'
+    programmatic dependent launch; every program waits for that kernel before its ticket.
+    The timeline's stamps as moe_mma2's (``DSV4LAB_MOE_TIMELINE=1``; scripts/profile_moe.py
+    --timeline)."""
     n_tiles1 = I // BN1
     n_tiles2 = H // BN2
     n_gu = P * n_tiles1 * (H // 2048)
@@ -512,16 +446,17 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
         _stamp(stamps_ptr, tile, 5, num_warps)
     if tile < n_gu:
         _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
-                      part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, stride_w13e,
+                      part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
                       stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV, HAS_LIMIT,
                       BN1, RB, ASM, AHEAD, num_warps)
     else:
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
-                   out_ptr, ctr_ptr, stamps_ptr, I, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
-                   stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, KS2, TOPK, ASM, num_warps)
+                   ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, AHEAD,
+                   num_warps)
 
 
-def supported(x, H: int, I: int, T: int, tensors=(), num_warps: int = 4) -> str | None:
+def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
     """None if :func:`fused_decode` runs here on these sizes, else why not (no launch)."""
     if interpreting():
         return "Gluon kernels do not run in Triton's interpreter"
@@ -534,9 +469,6 @@ def supported(x, H: int, I: int, T: int, tensors=(), num_warps: int = 4) -> str 
         return "needs sm_80 or newer"
     if H % 2048 or I % 2048:
         return f"hidden and intermediate sizes must be multiples of 2048 (a lane's 64 elements of a row), got {H}, {I}"
-    if num_warps % (I // 2048):
-        return (f"num_warps ({num_warps}) must be a multiple of the K slices of 2048 elements a "
-                f"down tile holds side by side ({I // 2048})")
     if not 1 <= T <= 8:
         return f"one launch takes 1 to 8 tokens, got {T}"
     if any(t.data_ptr() % 16 for t in tensors):
@@ -545,35 +477,31 @@ def supported(x, H: int, I: int, T: int, tensors=(), num_warps: int = 4) -> str 
 
 
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
-                 w13_global=None, w2_global=None, swiglu_limit=None, BN1=32, RB=2, num_warps=4,
-                 PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None):
+                 w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, RB=2,
+                 num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None):
     """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
     launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
-    :func:`_decode_kernel`. ``BN1``: the gate/up row tile (a power of two, a multiple of 32,
-    dividing I; its 2 BN1 rows a multiple of the ``num_warps x RB`` an iteration takes); a
-    down tile takes the rows of one iteration (``num_warps / (I / 2048) x RB``); ``RB``: rows
-    a warp an iteration; ``PDL``: the decode as the first launch's programmatic dependent
-    launch (None: where :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``:
-    :func:`block_dot_asm`'s (NVFP4 always 2 chains); ``AHEAD`` (1 or 2): gate/up iterations
-    whose loads are in flight; ``MAXNREG``: a register cap for the decode's programs (programs
-    an SM are bounded by them). No host synchronisation. Explained in
+    :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (powers of two,
+    multiples of ``num_warps x RB`` rows, BN1 of 32 too, dividing I and H); ``RB``: rows a warp an iteration;
+    ``PDL``: the decode as the first launch's programmatic dependent launch (None: where
+    :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``: :func:`block_dot_asm`'s
+    (NVFP4 always 2 chains); ``AHEAD`` (1 or 2): iterations whose loads are in flight;
+    ``MAXNREG``: a register cap for the decode's programs (programs an SM are bounded by them).
+    No host synchronisation. Explained in
     notebooks/04_mxfp4_moe_port.ipynb."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
     P = topk_ids.numel()
-    topk = topk_ids.shape[1]
-    why = supported(x, H, I, T, (w13, w13_scale, w2, w2_scale), num_warps)
+    why = supported(x, H, I, T, (w13, w13_scale, w2, w2_scale))
     if why is not None:
         raise ValueError(f"moe_simt: {why}")
-    if RB not in (1, 2, 4):
-        raise ValueError(f"moe_simt: RB must be 1, 2 or 4 (rows a warp an iteration), got {RB!r}")
     rr = num_warps * RB
-    if BN1 % 32 or (2 * BN1) % rr or I % BN1 or BN1 & (BN1 - 1):
-        raise ValueError(f"moe_simt: BN1 must be a power of two dividing {I}, a multiple of 32 "
-                         f"(whole blocks of the activations), with its {2 * BN1} rows a multiple "
-                         f"of the {rr} an iteration takes; got {BN1}")
-    BN2 = num_warps // (I // 2048) * RB
+    # a gate/up tile writes whole 32-element blocks of the activations (their factors)
+    for name, v, n, low in (("BN1", BN1, I, 32), ("BN2", BN2, H, 1)):
+        if v % low or v % rr or n % v or v & (v - 1):
+            raise ValueError(f"moe_simt: {name} must be a power of two, a multiple of {low} and "
+                             f"of num_warps x RB ({rr}), dividing {n}; got {v}")
     if AHEAD not in (1, 2):
         raise ValueError(f"moe_simt: AHEAD must be 1 or 2 (iterations in flight), got {AHEAD!r}")
     if dec not in _PAIRS or chains not in (1, 2):
@@ -588,31 +516,31 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     pdl = pdl_ok(dev) if PDL is None else bool(PDL)
     if pdl and not pdl_ok(dev):
         raise ValueError("moe_simt: PDL needs sm_90 or newer (griddepcontrol)")
-    s1 = H // 2048
     xq = torch.empty(T, 4, H // 8, dtype=torch.int32, device=dev)
     xc = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
     aq = torch.empty(P, 4, I // 8, dtype=torch.int32, device=dev)
     ac = torch.empty(P, I // 32, dtype=torch.float32, device=dev)
-    part = torch.empty(s1 * P, 2 * I, dtype=torch.float32, device=dev)
-    counters = torch.empty(1 + P + P * (I // BN1), dtype=torch.int32, device=dev)
+    part = torch.empty(H // 2048 * P, 2 * I, dtype=torch.float32, device=dev)
+    ypair = torch.empty(I // 2048 * P, H, dtype=torch.float32, device=dev)
+    counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
     x = x.contiguous()
     _x_pairs_kernel[(T, H // 2048)](x, xq, xc, counters, counters.numel(), H, x.stride(0),
                                     PDL=pdl, num_warps=2)
     g13 = w13_global.contiguous() if is_nv else xc
     g2 = w2_global.contiguous() if is_nv else xc
-    n_gu = P * (I // BN1) * s1
-    grid = (n_gu + T * (H // BN2),)
+    n_gu = P * (I // BN1) * (H // 2048)
+    grid = (n_gu + P * (H // BN2) * (I // 2048),)
     stamps = counters
     if TIMELINE:
         stamps = torch.zeros(grid[0], 8, dtype=torch.int64, device=dev)
         moe_mma2._LAST_TIMELINE[:] = [stamps, n_gu]
     _decode_kernel[grid](
         xq, xc, w13, w13_scale, g13, w2, w2_scale, g2, topk_ids.contiguous(),
-        topk_weights.reshape(-1).contiguous(), aq, ac, part, out, counters, stamps, P, I, H,
-        w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), w2.stride(0),
-        w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out.stride(0),
-        float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
-        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB, KS2=I // 2048, TOPK=topk,
+        topk_weights.reshape(-1).contiguous(), aq, ac, part, ypair, out, counters, stamps, P, T,
+        topk_ids.shape[1], I, H, w13.stride(0), w13.stride(1), w13_scale.stride(0),
+        w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
+        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
         ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
         PDL=pdl, AHEAD=AHEAD, launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
     return out

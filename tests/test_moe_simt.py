@@ -127,9 +127,9 @@ def test_gpu_simt_launch_keys_and_repeatability(fmt):
     ref = _ref(x, ex, ids, w, fmt, 10.0)
     base = _simt(x, ex, ids, w, fmt, 10.0)
     assert torch.equal(base, _simt(x, ex, ids, w, fmt, 10.0))
-    for kw in (dict(BN1=64), dict(RB=4), dict(RB=1), dict(num_warps=8), dict(num_warps=2),
-               dict(dec="cvt"), dict(chains=2), dict(PDL=False), dict(AHEAD=2),
-               dict(MAXNREG=80)):
+    for kw in (dict(BN1=32, BN2=32), dict(BN1=32, BN2=128, RB=1), dict(RB=4),
+               dict(num_warps=8, BN1=64, BN2=64), dict(dec="cvt"), dict(chains=2),
+               dict(PDL=False)):
         assert_close(_simt(x, ex, ids, w, fmt, 10.0, **kw), ref, torch.bfloat16)
 
 
@@ -157,11 +157,8 @@ def test_gpu_simt_refusals_and_table_fallback():
     from dsv4lab.kernels import moe_mma2, moe_simt
     x, ex, ids, w = _case(4, 4096, 2048, 1, 2, "mxfp4", "random", seed=1)
     args = (ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-    with pytest.raises(ValueError, match="BN1 must be a power of two dividing 2048, a multiple of 32"):
+    with pytest.raises(ValueError, match="BN1 must be a power of two, a multiple of 32"):
         moe_simt.fused_decode(x, *args, BN1=48)
-    with pytest.raises(ValueError, match="RB must be 1, 2 or 4"):
-        moe_simt.fused_decode(x, *args, RB=3)
-    assert "num_warps (1) must be a multiple of the K slices" in moe_simt.supported(x, 4096, 4096, 1, num_warps=1)
     with pytest.raises(ValueError, match="dec must be one of"):
         moe_simt.fused_decode(x, *args, dec="lut")
     assert "multiples of 2048" in moe_simt.supported(x, 4096, 1536, 1)
