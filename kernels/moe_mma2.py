@@ -985,15 +985,15 @@ def _gdc_wait(num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _wait_count(ptr, target):
+def _wait_count(ptr, target, SLEEP: gl.constexpr = "500"):
     """Spin until the counter at ptr reaches target (acquire: what its writers stored
-    before their release is then visible to this program)."""
+    before their release is then visible to this program); SLEEP ns between polls."""
     seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         # back off ~0.5 us between polls, so pollers leave the issue slots to working tiles
         # (at T = 1 no faster or slower, measured: tune_moe #99 71.7 -> 71.6 us)
-        seen = gl.inline_asm_elementwise("nanosleep.u32 500; mov.u32 $0, $1;", "=r,r", [seen],
-                                         dtype=gl.int32, is_pure=False, pack=1)
+        seen = gl.inline_asm_elementwise("nanosleep.u32 " + SLEEP + "; mov.u32 $0, $1;", "=r,r",
+                                         [seen], dtype=gl.int32, is_pure=False, pack=1)
         seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
 

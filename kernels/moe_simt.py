@@ -367,7 +367,7 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, a
                out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
                stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
                RB: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
-               num_warps: gl.constexpr):
+               num_warps: gl.constexpr, SLEEP: gl.constexpr = "500"):
     """Down tile d of :func:`_decode_kernel`: pair p's activations (K slice sp) times BN2 down
     rows (row tile pn), times its routing weight, into ypair[sp, p]; the last tile of those
     rows sums ypair over the pairs and slices, in order, into out. Its first weight bytes are
@@ -387,7 +387,7 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, a
         mult = gl.load(topk_w_ptr + p).to(gl.float32)
         if IS_NV:
             mult = mult * gl.load(g2_ptr + e)
-        _wait_count(ctr_ptr + 1 + p, n_tiles1)
+        _wait_count(ctr_ptr + 1 + p, n_tiles1, SLEEP)
         _stamp(stamps_ptr, ticket, 2, num_warps)
         _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
                   aq_ptr + p.to(gl.int64) * (I // 2) + sp * 256, I // 8, ac_ptr + p * (I // 32) + sp * 64,
@@ -419,7 +419,8 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
                    stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
                    IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
                    BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
-                   num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1):
+                   num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1,
+                   SLEEP: gl.constexpr = "500"):
     """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
     GEMV, as kernels/moe_mma2.py's ``FUSED`` decode schedules it: tiles handed out by a ticket
     counter, all gate/up tiles first, so a down tile waits only for tiles already running.
@@ -453,7 +454,7 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
         _down_tile(tile - n_gu, tile, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
                    ypair_ptr, out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
                    stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, AHEAD,
-                   num_warps)
+                   num_warps, SLEEP)
 
 
 def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
@@ -477,8 +478,9 @@ def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
 
 
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
-                 w13_global=None, w2_global=None, swiglu_limit=None, BN1=64, BN2=64, RB=2,
-                 num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None):
+                 w13_global=None, w2_global=None, swiglu_limit=None, BN1=32, BN2=32, RB=2,
+                 num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None, SLEEP=500,
+                 XW=2):
     """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
     launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
     :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (powers of two,
@@ -486,7 +488,9 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     ``PDL``: the decode as the first launch's programmatic dependent launch (None: where
     :func:`dsv4lab.kernels.device.pdl_ok`); ``dec``, ``chains``: :func:`block_dot_asm`'s
     (NVFP4 always 2 chains); ``AHEAD`` (1 or 2): iterations whose loads are in flight;
-    ``MAXNREG``: a register cap for the decode's programs (programs an SM are bounded by them).
+    ``MAXNREG``: a register cap for the decode's programs (programs an SM are bounded by them);
+    ``SLEEP``: ns a waiting down tile sleeps between polls; ``XW``: warps of each of x's
+    copy programs (1024 XW elements each).
     No host synchronisation. Explained in
     notebooks/04_mxfp4_moe_port.ipynb."""
     T, H = x.shape
@@ -524,8 +528,8 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     ypair = torch.empty(I // 2048 * P, H, dtype=torch.float32, device=dev)
     counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
     x = x.contiguous()
-    _x_pairs_kernel[(T, H // 2048)](x, xq, xc, counters, counters.numel(), H, x.stride(0),
-                                    PDL=pdl, num_warps=2)
+    _x_pairs_kernel[(T, H // (1024 * XW))](x, xq, xc, counters, counters.numel(), H, x.stride(0),
+                                           PDL=pdl, num_warps=XW)
     g13 = w13_global.contiguous() if is_nv else xc
     g2 = w2_global.contiguous() if is_nv else xc
     n_gu = P * (I // BN1) * (H // 2048)
@@ -542,5 +546,5 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
         out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
         ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
-        PDL=pdl, AHEAD=AHEAD, launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
+        PDL=pdl, AHEAD=AHEAD, SLEEP=str(int(SLEEP)), launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
     return out
