@@ -984,16 +984,21 @@ def _gdc_wait(num_warps: gl.constexpr):
                               is_pure=False, pack=1)
 
 
+@triton.constexpr_function
+def _sleep_asm(ns):
+    return f"nanosleep.u32 {int(ns)}; mov.u32 $0, $1;"
+
+
 @gluon.jit
-def _wait_count(ptr, target, SLEEP: gl.constexpr = "500"):
+def _wait_count(ptr, target, SLEEP: gl.constexpr):
     """Spin until the counter at ptr reaches target (acquire: what its writers stored
     before their release is then visible to this program); SLEEP ns between polls."""
     seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         # back off ~0.5 us between polls, so pollers leave the issue slots to working tiles
         # (at T = 1 no faster or slower, measured: tune_moe #99 71.7 -> 71.6 us)
-        seen = gl.inline_asm_elementwise("nanosleep.u32 " + SLEEP + "; mov.u32 $0, $1;", "=r,r",
-                                         [seen], dtype=gl.int32, is_pure=False, pack=1)
+        seen = gl.inline_asm_elementwise(_sleep_asm(SLEEP), "=r,r", [seen], dtype=gl.int32,
+                                         is_pure=False, pack=1)
         seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
 
 
@@ -1142,7 +1147,7 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, 
                                                          num_warps, EVICT, TILED)
         if PREFETCH:
             _prefetch_l2(w, nseg2 * 64, BN2, num_warps)
-        _wait_count(ctr_ptr + 1 + p, n_tiles1)
+        _wait_count(ctr_ptr + 1 + p, n_tiles1, 500)
         _stamp(stamps_ptr, ticket, 2, num_warps)
         a_rows = act_ptr + p.to(gl.int64) * stride_act + sp * nseg2 * 128 + m * 0
         amask = col

@@ -367,7 +367,7 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, a
                out_ptr, ctr_ptr, stamps_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
                stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
                RB: gl.constexpr, ASM: gl.constexpr, AHEAD: gl.constexpr,
-               num_warps: gl.constexpr, SLEEP: gl.constexpr = "500"):
+               num_warps: gl.constexpr, SLEEP: gl.constexpr):
     """Down tile d of :func:`_decode_kernel`: pair p's activations (K slice sp) times BN2 down
     rows (row tile pn), times its routing weight, into ypair[sp, p]; the last tile of those
     rows sums ypair over the pairs and slices, in order, into out. Its first weight bytes are
@@ -420,7 +420,7 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
                    IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
                    BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr, PDL: gl.constexpr = False, AHEAD: gl.constexpr = 1,
-                   SLEEP: gl.constexpr = "500"):
+                   SLEEP: gl.constexpr = 500):
     """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
     GEMV, as kernels/moe_mma2.py's ``FUSED`` decode schedules it: tiles handed out by a ticket
     counter, all gate/up tiles first, so a down tile waits only for tiles already running.
@@ -546,5 +546,5 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
         out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
         ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
-        PDL=pdl, AHEAD=AHEAD, SLEEP=str(int(SLEEP)), launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
+        PDL=pdl, AHEAD=AHEAD, SLEEP=int(SLEEP), launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
     return out
