@@ -1088,7 +1088,14 @@ _MMA2_T1_SMEM = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, ST
 # (variant mma2_noevict_t1) in the same run.
 _MMA2_T1_REGS = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, STAGES=3, NSPS=2,
                      num_warps=2, REGS=None)
-_MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False)
+# Session 22: where the hidden and intermediate sizes are multiples of 2048 (Flash's are), the
+# T = 1 entry is kernels/moe_simt.py's one-launch decode (SIMT=None: GEMVs on the CUDA cores,
+# x in registers, fp16x2 fma a 32-element block, the block scales on its fp32 sum; the same
+# ticketed schedule), elsewhere the register ring above. ab_moe_t1 printouts on the H200
+# (five leases, MXFP4 / NVFP4): 37.3-37.9 / 41.4-42.4 us against the register ring's
+# 43.8-45.1 / 46.4-47.6 in the same runs; the recorded evidence is `dsv4lab bench moe`
+# (variant mma2_regs_t1: the entry before).
+_MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False, SIMT=None)
 CONFIGS = [
     (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8
     (2.0, dict(mxfp4=dict(_FX128_RM, MMA2=_MMA2_T64), nvfp4=dict(_FX, MMA2=_MMA2_T64))),  # T=64

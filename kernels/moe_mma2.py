@@ -1303,12 +1303,11 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
     ``TILED`` (the fused launch with REGS only): w13, w2 and their scales are in
     :func:`pack_tile_major`'s layout (the caller packed them once), not the canonical one;
     ``"weights"``: the weights only (``pack_tile_major(..., scales=False)``).
-    ``SIMT`` (True, or a dict of its own keywords: RB, dec, chains, AHEAD): the one-launch decode of
-    :mod:`dsv4lab.kernels.moe_simt` instead (GEMVs on the CUDA cores; FUSED, at most 8 tokens,
-    the canonical layout; BN1, BN2, num_warps, PDL and MAXNREG are passed on, the other keys
-    unused);
-    None: that decode where :func:`dsv4lab.kernels.moe_simt.supported` (hidden and
-    intermediate sizes multiples of 2048), else the one the other keys name.
+    ``SIMT`` (True, or a dict of :func:`dsv4lab.kernels.moe_simt.fused_decode`'s launch
+    keywords): that one-launch decode instead (GEMVs on the CUDA cores; FUSED, at most 8
+    tokens, the canonical layout; PDL is passed on, the other keys here are unused: its tiles
+    are its own); None: that decode where :func:`dsv4lab.kernels.moe_simt.supported` (hidden
+    and intermediate sizes multiples of 2048), else the one the other keys name.
     No host synchronisation."""
     from dsv4lab.kernels import moe as base
     T, H = x.shape
@@ -1342,9 +1341,8 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         from dsv4lab.kernels import moe_simt
         return moe_simt.fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                      fmt=fmt, w13_global=w13_global, w2_global=w2_global,
-                                     swiglu_limit=swiglu_limit, BN1=BN1, BN2=BN2,
-                                     num_warps=num_warps, PDL=PDL, MAXNREG=MAXNREG,
-                                     **(SIMT if isinstance(SIMT, dict) else {}))
+                                     swiglu_limit=swiglu_limit,
+                                     **dict(dict(PDL=PDL), **(SIMT if isinstance(SIMT, dict) else {})))
     if TILED and (not FUSED or T > int(BM) or REGS == 0):
         raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
                          f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "

@@ -480,7 +480,7 @@ def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
                  w13_global=None, w2_global=None, swiglu_limit=None, BN1=32, BN2=32, RB=2,
                  num_warps=4, PDL=None, dec="prmt", chains=1, AHEAD=1, MAXNREG=None, SLEEP=500,
-                 XW=2):
+                 XW=1):
     """The FP4 MoE of T <= 8 tokens (arguments as ``moe.fused_moe``, already checked) in two
     launches: x's pairs (:func:`_x_pairs_kernel`, which zeroes the counters), then
     :func:`_decode_kernel`. ``BN1``, ``BN2``: gate/up and down row tiles (powers of two,

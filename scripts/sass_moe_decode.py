@@ -1,9 +1,14 @@
-"""Compile the T = 1 fused MoE decode (kernels/moe_mma2.py ``_decode_kernel``) for an NVIDIA GPU
-without one, and print what its SASS costs: registers, spills, shared memory, loop lengths.
+"""Compile the T = 1 fused MoE decode (kernels/moe_mma2.py ``_decode_kernel``, or with ``--simt``
+kernels/moe_simt.py's) for an NVIDIA GPU without one, and print what its SASS costs:
+registers, spills, shared memory, loop lengths.
 
     python3 scripts/sass_moe_decode.py '{"BN1": 32, "BN2": 32, "SPLIT1": 2, "SPLIT2": 1,
         "num_warps": 2, "REGS": 4, "EVICT": true, "PREFETCH": false}' [--cc 90] [--maxnreg N]
         [--asm cvt8|fastdec|raw] [--triton-site DIR] [--out /tmp/moe_dec]
+    python3 scripts/sass_moe_decode.py --simt ['{"IS_NV": true}'] [--dec prmt|cvt]
+
+``--simt``: the constexprs over SIMT_DEFAULTS (the table's T = 1 launch: BN1 / BN2 32, RB 2,
+4 warps, PDL on) and the pair decode ``--dec`` (moe_simt.block_dot_asm; NVFP4 two chains).
 
 The JSON sets the kernel's constexprs over these defaults: IS_NV false, HAS_LIMIT true, BN1 /
 BN2 64, SPLIT1 / SPLIT2 2, STAGES 3, NSPS1 / NSPS2 2, PREFETCH true, num_warps 4, ACC_SCALE
@@ -33,15 +38,25 @@ DEFAULTS = dict(IS_NV=False, HAS_LIMIT=True, BN1=64, BN2=64, SPLIT1=2, SPLIT2=2,
 # the decode kernel's pointers other than int32 ones, and its float scalar
 TYPES = {"w13_ptr": "*u8", "s13_ptr": "*u8", "w2_ptr": "*u8", "s2_ptr": "*u8", "xp_ptr": "*fp16",
          "act_ptr": "*fp16", "out_ptr": "*bf16", "g13_ptr": "*fp32", "g2_ptr": "*fp32",
-         "topk_w_ptr": "*fp32", "ypair_ptr": "*fp32", "part_ptr": "*fp32", "stamps_ptr": "*i64"}
+         "topk_w_ptr": "*fp32", "ypair_ptr": "*fp32", "part_ptr": "*fp32", "stamps_ptr": "*i64",
+         "xc_ptr": "*fp32", "ac_ptr": "*fp32"}
+SIMT_DEFAULTS = dict(IS_NV=False, HAS_LIMIT=True, BN1=32, BN2=32, RB=2, num_warps=4, PDL=True)
 
 
 def main() -> int:
     ap = gluon_sass.parser(__doc__, "/tmp/moe_dec")
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--asm", choices=("cvt8", "fastdec", "raw"), default="cvt8")
+    ap.add_argument("--simt", action="store_true", help="kernels/moe_simt.py's decode")
+    ap.add_argument("--dec", choices=("prmt", "cvt"), default="prmt", help="with --simt")
     args = ap.parse_args()
     gluon_sass.use_triton(args.triton_site)
+    if args.simt:
+        mod = gluon_sass.kernel_module("moe_simt")
+        consts = dict(SIMT_DEFAULTS, **json.loads(args.consts))
+        nv = consts["IS_NV"]
+        consts.setdefault("ASM", mod.block_dot_asm(args.dec, 2 if nv else 1, 2 if nv else 1))
+        return _report(mod._decode_kernel, consts, args)
     mod = gluon_sass.kernel_module("moe_mma2")
     # moe.py's FASTDEC asm, read as text (importing moe.py would import dsv4lab)
     fastdec = re.search(r'FASTDEC_ASM = """(.*?)"""', (gluon_sass.ROOT / "kernels/moe.py").read_text(),
@@ -50,7 +65,10 @@ def main() -> int:
     if args.asm == "raw":
         consts["ACC_SCALE"] = True
     consts.update(json.loads(args.consts))
-    fn = mod._decode_kernel
+    return _report(mod._decode_kernel, consts, args)
+
+
+def _report(fn, consts, args) -> int:
     consts = gluon_sass.with_defaults(fn, consts)      # the kernel's own (EVICT, EARLY, ...)
     sig = gluon_sass.signature(fn, consts, TYPES, "*i32", {"swiglu_limit": "fp32"})
     aligned = [k for k, v in sig.items() if v.startswith("*") or k.startswith("stride") or k in ("I", "H")]

@@ -1,4 +1,4 @@
-"""The Gluon kernels (kernels/moe_mma2.py, kernels/sparse_mla_ws.py) compile for sm_90 with the
+"""The Gluon kernels (kernels/moe_mma2.py, kernels/moe_simt.py, kernels/sparse_mla_ws.py) compile for sm_90 with the
 installed Triton, on a machine without a GPU (Triton's own ptxas; scripts/gluon_sass.py).
 
 Gluon is experimental and its API moves between releases (kernels/gluon_compat.py takes the
@@ -33,6 +33,9 @@ pytestmark = pytest.mark.skipif(
     # the MoE's T = 1 launch (moe.py _MMA2_T1): 96 mma.sync a program
     ("sass_moe_decode.py", '{"BN1": 32, "BN2": 32, "SPLIT1": 2, "SPLIT2": 1, "num_warps": 2, '
                            '"REGS": 4, "EVICT": true, "PREFETCH": false}', 96),
+    # the T = 1 entry since session 22 (kernels/moe_simt.py): GEMVs on the CUDA cores, no mma
+    ("sass_moe_decode.py", "--simt", 0),
+    ("sass_moe_decode.py", "--simt {\"IS_NV\": true}", 0),
     # sparse MLA: the H200 table's bf16 mid/large launch and its FP8 large one; 72 wgmma
     # (two consumers: 32 for the scores, 4 for P V)
     ("sass_sparse_mla_ws.py", "{}", 72),
@@ -42,7 +45,8 @@ pytestmark = pytest.mark.skipif(
 ])
 def test_gluon_kernels_compile_for_sm90(script, consts, mma, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / script), consts,
+    args = consts.split(" ", 1) if consts.startswith("--") else [consts]
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args,
                           "--out", str(tmp_path / "kernel")],
                          capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

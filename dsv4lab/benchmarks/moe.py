@@ -174,7 +174,10 @@ VARIANTS = [
     ("mma2_tiled_w_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, TILED="weights"))),
     # the T = 1 entry with a down tile's first ring loads issued after its wait for the
     # activations (EARLY off), as before session 12
-    ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False))),
+    ("mma2_late_ring_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, EARLY=False, SIMT=False))),
+    # Session 22: the T = 1 entry is kernels/moe_simt.py's decode (SIMT); the register ring it
+    # replaced, for the A/B
+    ("mma2_regs_t1", dict(PLAIN, MMA2=dict(_MMA2_T1, SIMT=False))),
 ]
 SWAP_AB_VARIANTS = VARIANTS          # its former name
 VARIANT_TOKENS = (1, 64)
@@ -188,7 +191,7 @@ VARIANT_ONLY = {"triton_fd_xpre_bk128_s2_fold": (1,), "triton_fd_xpre_bk128_r128
                 "mma2_acc_scale_t1": (1,), "mma2_nopdl_t1": (1,), "mma2_regs2_t1": (1,),
                 "mma2_regs4_t1": (1,), "mma2_regs2_s2_t1": (1,), "mma2_regs4_s2_t1": (1,),
                 "mma2_smem_t1": (1,), "mma2_noevict_t1": (1,), "mma2_late_ring_t1": (1,),
-                "mma2_tiled_t1": (1,), "mma2_tiled_w_t1": (1,),
+                "mma2_tiled_t1": (1,), "mma2_tiled_w_t1": (1,), "mma2_regs_t1": (1,),
                 "mma2_fastdec_t64": (64,)}
 
 
