@@ -122,6 +122,15 @@ def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
 
 
 @gluon.jit
+def _e4m3_value(b):
+    """E4M3 bytes -> fp32 values, on every GPU (sm_80 has no fp8 type): the byte's bits
+    placed as the fp16 ``value * 2**-8`` (E4M3's subnormals land on fp16's), then times 2**8."""
+    h = b.to(gl.int16)
+    h = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
+    return h.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
+
+
+@gluon.jit
 def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
                     RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
     """Iteration it's weight words [W RB, 256] and scale bytes [W RB, 32 NSC] (each lane its
@@ -188,7 +197,7 @@ def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_bas
         if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
             o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
             o = gl.reshape(o, [RR, 128])
-            f = sa.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            f = _e4m3_value(sa)
         else:           # result 0: the block
             o, _ = gl.split(o)
             o, _ = gl.split(o)
