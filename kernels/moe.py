@@ -1091,10 +1091,10 @@ _MMA2_T1_REGS = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, ST
 # Session 22: where the hidden and intermediate sizes are multiples of 2048 (Flash's are), the
 # T = 1 entry is kernels/moe_simt.py's one-launch decode (SIMT=None: GEMVs on the CUDA cores,
 # x in registers, fp16x2 fma a 32-element block, the block scales on its fp32 sum; the same
-# ticketed schedule), elsewhere the register ring above. ab_moe_t1 printouts on the H200
-# (five leases, MXFP4 / NVFP4): 37.3-37.9 / 41.4-42.4 us against the register ring's
-# 43.8-45.1 / 46.4-47.6 in the same runs; the recorded evidence is `dsv4lab bench moe`
-# (variant mma2_regs_t1: the entry before).
+# ticketed schedule), elsewhere the register ring above. `dsv4lab bench moe` rows (H200, at
+# 3bae2cd and 78e1e04, five runs): MXFP4 37.2-37.6 us (0.504-0.509), NVFP4 40.3-40.4 (at
+# 78e1e04), against 44.7-44.9 / 46.7-47.1 for the register ring (variant mma2_regs_t1, the
+# entry before) in the same runs.
 _MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False, SIMT=None)
 CONFIGS = [
     (1.0, dict(mxfp4=dict(_FX128_S2, MMA2=_MMA2_T1), nvfp4=dict(_FX128_S2, MMA2=_MMA2_T1))),  # T=1, 8

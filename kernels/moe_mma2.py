@@ -268,6 +268,13 @@ sm_89 and sm_120 run as one QMMA, but which ptxas emulates on sm_90 with every o
 converted to fp16 (12 F2FP.F16.E4M3 and two HMMA.16816 an mma; scripts/probe_fp8_mma.py,
 offline, Triton 3.9): the conversions it was to save come back, and what remains saved is the
 scale multiplies, RAWDEC's no-gain. On the H200 no decode known here is that cheap.
+Superseded at T = 1 (session 22): where the sizes allow (multiples of 2048), the table's T = 1
+entry is :mod:`dsv4lab.kernels.moe_simt`'s launch (``SIMT``), GEMVs on the CUDA cores with x in
+registers: 37.2-37.6 us (0.504-0.509) against this launch's 44.7-44.9 in the same `dsv4lab
+bench moe` runs (variant ``mma2_regs_t1``). The same bit placement, paired by ``prmt`` and
+multiplied by fp16x2 fma, reads at the speed of a plain read of the rows; what this kernel paid
+was the mma tile at one token (seven of eight columns zeros, x's fragments from the L1 every
+K-step, the MXFP4 row maxima, the 64-byte reads a row a step), not the decode alone.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """

@@ -1,25 +1,63 @@
-"""FP4 weight rows times one token on the CUDA cores, x held in registers (Gluon; sm_80+).
+"""The MoE of one decode token as GEMVs on the CUDA cores, x held in registers (Gluon; sm_80+).
 
 The idea. At T = 1 an expert's GEMM is a GEMV: every weight is used once, by one token.
 The tensor-core kernels of :mod:`dsv4lab.kernels.moe_mma2` feed the mma a tile padded from
 one token to eight and reload x's fragments from the L1 every K-step. Here a warp walks
-whole rows instead: lane l owns the same 64 elements of every row of its K slice (32 packed
-bytes, two MXFP4 blocks), so it loads its x once, as 32 fp16x2 registers, and a warp's
-load of a row reads 1 KB of contiguous bytes. Per 4-byte word (8 elements):
+whole rows instead: lane l owns the same 64 elements of every row of its K slice of 2048
+(32 packed bytes, two MXFP4 blocks), so it loads its x once, as 32 fp16x2 registers, and a
+warp's load of a row reads 1 KB of contiguous bytes. Per 4-byte word (8 elements,
+:func:`block_dot_asm`):
 
 - the low and the high nibbles placed as e5m2 bytes ``s 000 e1 e0 m 0`` (CVT8's 7
   instructions, :mod:`dsv4lab.kernels.moe_mma2`), which are the high bytes of the fp16
-  ``value * 2**-14``; four ``prmt`` (or ``cvt.rn.f16x2.e5m2x2``, ``DEC``) make the fp16 pairs;
-- four ``fma.rn.f16x2`` with the lane's x pairs, accumulated in fp16 over the block's 32
-  elements (x scaled per lane-block by a power of two so that the products stay normal and
-  the sums bounded: ``|x| * 2**sx < 2**14``, so a product is below 6 and a block's sum below
-  192), then the block's sum to fp32, times ``2**(e - 127)`` (MXFP4's scale) and the factor
-  that undoes x's;
+  ``value * 2**-14``; four ``prmt`` (or ``cvt.rn.f16x2.e5m2x2``, ``dec``) make the fp16 pairs;
+- four ``fma.rn.f16x2`` with the lane's x pairs, summed in fp16 over the block's 32 elements
+  (x scaled per block by a power of two so that the products stay normal and the sums
+  bounded: ``|x| 2**sx`` in [2**13, 2**14), so a product is below 6 and a block's sum below
+  192), then the block's sum to fp32, times its scale (E8M0 ``2**(e - 127)``, or each
+  16-element half's E4M3) and the factor that undoes x's;
 - the row's 32 lane sums reduced across the warp.
 
-No block scale touches a weight (the fp32 block sum takes it), and nothing is read twice.
-This module is the probe of that design (scripts/probe_simt_gemv.py): rows of one matrix, a
-program RB rows a warp an iteration, double-buffered loads under the L2 evict-first policy.
+No block scale touches a weight, MXFP4 needs no row maximum, and a pair of x elements is the
+adjacent fp16 pair of a word of x's copy (:func:`x_pairs`, :func:`_store_pairs`). The gate/up
+loop: 350 SASS instructions for a lane's 16 words (offline sm_90, ``python3
+scripts/sass_moe_decode.py --simt``), ~22 a word; the register ring's launch executes ~24 a
+word (Nsight Compute, session 21). 80 registers: 6 programs of 4 warps an SM.
+
+The launch (:func:`_decode_kernel`) is moe_mma2's ``FUSED`` schedule: x's pairs and the
+zeroed counters from a first small launch (:func:`_x_pairs_kernel`), then one ticketed
+launch: gate/up tiles (BN1 gate rows and their up rows, a K slice each, the slices summed by
+the last to finish, which writes the SwiGLU as the down tiles' x pairs), then down tiles
+(BN2 rows of a pair's down projection, which ask for their first weight bytes before they wait
+for the pair), the pairs summed by a row tile's last down tile in a fixed order. Each warp's
+next RB rows are in flight while it works on these (``AHEAD``), under the L2 evict-first policy.
+
+Measured (H200; `dsv4lab bench moe` rows at 3bae2cd, three runs, and at 78e1e04, two runs):
+T = 1 MXFP4 37.2 / 37.4 / 37.6 / 37.3 / 37.2 us (0.509 / 0.506 / 0.504 / 0.507 / 0.508 of the
+FP4-bytes roofline), against 44.7-44.9 for the register ring in the same runs (variant
+``mma2_regs_t1``); NVFP4 42.0-42.1 with the fp8 conversion of its scales (96 registers),
+40.3-40.4 with :func:`_e4m3_value` (80). The read-only probe had shown the way
+(scripts/probe_simt_gemv.py, printout at 3a6d357): these rows times x, the gate/up rows alone
+21.5 us as a graph launch, as fast as reading them (stream_read 21.0, the register ring's
+pattern 23.5), and with the down rows (two launches) 32.1-33.4, as the reads (33.5).
+Its timeline (scripts/profile_moe.py --timeline, at 82738fe, after the L2 flush): the
+gate/up loops run from 1.3 us to 15.4 (p50; 18.2 the last), 51 MB at ~3.6 TB/s while most run,
+2.1 us after a loop (the slices' sum, the SwiGLU, the release); the down loops start at
+19.7-22.0 us and take 5.4, and the last row's sum ends the launch at 30.7. What remains is
+the stragglers at the end of each phase and the chain of latencies between them.
+Measured slower (ab_moe_t1 printouts, session 22; MXFP4 against 37.3-37.9 in the same runs):
+other tiles (BN1 / BN2 64 / 64 54.5, 64 / 32 48.7, 32 / 16 39.5, 32 / 8 44.1), 2 or 8 warps
+(43.4-54.4), RB 1 (45.2) or 4 (40.6 at 2 warps), two iterations in flight (AHEAD 2, 128
+registers: 40.1), a register cap (72: 38.8-39.5; 64: 43.1), the ``cvt`` pairs or two fp16
+chains (37.6-37.8), the down tiles' weights asked of the L2 before their wait (39.7: the
+gate/up tail moves later), a shorter poll (SLEEP 100 or 20: no gain); tiles over the whole
+K (their slices side by side in warp columns, no partial sums; 735f3e4): 47.0, because 384
+gate/up tiles leave an SM's other slots to down tiles that spin; a down tile summing a
+token's pairs in registers (no combine; cabc8a2, its results wrong and not debugged): 39.8,
+its pairs running one after another. x's copy in 1024-element programs (``XW`` 1): 37.4
+against 37.7-38.8 with 2048. Explained in notebooks/04_mxfp4_moe_port.ipynb.
+
+:func:`rows_times_x` (one matrix's rows, a launch of :func:`_rows_kernel`) is the probe's.
 """
 import torch
 import triton

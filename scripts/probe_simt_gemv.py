@@ -11,6 +11,15 @@ L2) against a read of the same bytes (:func:`dsv4lab.kernels.stream_read.rows_re
 MoE's pattern, and :func:`~dsv4lab.kernels.stream_read.stream_read`). Configurations: rows a
 program (R), rows a warp an iteration (RB), the fp16 pairs by ``prmt`` or ``cvt``, one or two
 fp16 chains a block, warps a program.
+
+H200 printout at 3a6d357 (us; gate/up 51.0 MB, down 25.5 MB): stream_read of the gate/up rows
+21.0; rows_read in the MoE's pattern 23.5, then the down rows 33.5; 256 bytes a row a step 20.1 /
+29.0. These rows times x (error against the fp32 reference 7.1e-4 of its largest value, 5.2e-4
+with two fp16 chains): R 64 RB 2 21.5 / 33.4; RB 1 22.3 / 35.9; R 128 24.6 / 42.2; RB 4 25.3 /
+36.3; ``cvt`` 21.7 / 33.7; two chains 21.7 / 33.9; R 128 at 8 warps 21.3 / 33.6; R 32 22.2 /
+32.1; R 128 RB 4 22.7 / 37.2; R 32 RB 1 22.8 / 33.1; R 256 36.3 / 54.1. The GEMV reads at the
+speed of the read alone: the reason for kernels/moe_simt.py's decode (the T = 1 entry since
+session 22).
 """
 from __future__ import annotations
 

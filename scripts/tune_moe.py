@@ -521,6 +521,21 @@ CANDIDATES = [
     # tile. NVFP4 (two blocks a lane): the scales after chunks 0-1 and 2-3. x's copy writes the hi /
     # lo halves with a power-of-two scale per 32-element block; the gate/up epilogue writes act
     # alike (BN1 32 rows = one block of the down K).
+    # round 32 (session 22): the tensor cores left out at T = 1. A read-only-style probe first
+    # (scripts/probe_simt_gemv.py, printout at 3a6d357): the gate/up rows times x on the CUDA
+    # cores (lane l owns 64 elements of every row, x in 32 fp16x2 registers, the CVT8 placement
+    # paired by prmt, fp16x2 fma over a 32-element block, the block's scale on its fp32 sum)
+    # 21.5 us against 21.0 for a plain read of the same 51 MB; with the down rows 32.1-33.4
+    # against 33.5. Then kernels/moe_simt.py, the same FUSED schedule (ab_moe_t1 '{"SIMT": ...}',
+    # printouts, MXFP4 / NVFP4 us, against the register ring's 43.8-45.1 / 46.4-47.6 in the same
+    # runs): BN1 / BN2 64 / 64 54.5 / 50.0, 64 / 32 48.7, 32 / 32 37.3-37.9 / 41.4-42.4, 32 / 16
+    # 39.5 / 40.9, 32 / 8 44.1; 2 warps 48.4-54.4, 8 warps (RB 1) 43.4; RB 1 45.2, RB 4 (2 warps,
+    # BN2 16) 40.6; AHEAD 2 40.1 (128 registers); MAXNREG 72 38.8-39.5, 64 43.1; dec cvt 37.7,
+    # two chains 37.6-37.8; PREFETCH 39.7; SLEEP 100 / 20 no gain; XW 1 37.4 against 37.7-38.8;
+    # whole-K tiles (735f3e4) 47.0; down tiles over a token's pairs (cabc8a2) 39.8. The table's
+    # T = 1 entry since (SIMT=None: BN1 = BN2 = 32, 4 warps, RB 2, XW 1): `dsv4lab bench moe` rows
+    # at 3bae2cd and 78e1e04, 37.2-37.6 us (0.504-0.509), NVFP4 40.3-40.4 at 78e1e04 (the E4M3
+    # scales by bit placement: 80 registers instead of 96).
 ]
 
 
