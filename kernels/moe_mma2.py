@@ -1010,6 +1010,40 @@ def _wait_count(ptr, target, SLEEP: gl.constexpr):
 
 
 @gluon.jit
+def _sum_pairs(total, ypair_ptr, ids_ptr, out_ptr, offs_h, m, P, T, TOPK, SPLIT2, stride_y,
+               stride_out):
+    """out[token m, rows offs_h] = ``total`` (zeros [rows, tokens]) plus the rows of ypair
+    [SPLIT2 slices x P pairs, stride_y] of every live pair of token m, pairs and slices in
+    order: the same sum every call."""
+    for q in range(P):
+        live = (m == q // TOPK)[None, :] & (gl.load(ids_ptr + q) >= 0)
+        for q2 in range(SPLIT2):
+            total += gl.load(ypair_ptr + (q2 * P + q) * stride_y + offs_h[:, None]
+                             + m[None, :] * 0, mask=live, other=0.0, cache_modifier=".cg")
+    gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
+             total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+
+
+@gluon.jit
+def _ticket(ctr_ptr, stamps_ptr, PDL: gl.constexpr, num_warps: gl.constexpr):
+    """A ticketed launch's program: (``PDL``) wait for the launch it depends on, then take the
+    next ticket from the counter at ctr_ptr (its tile; the order programs start in, so tiles
+    handed out earlier are running); TIMELINE: its start, ticket and SM stamped."""
+    if PDL:     # (the timeline's "program start" is then the end of this wait)
+        _gdc_wait(num_warps)
+    t0 = 0
+    if TIMELINE:
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
+                                       is_pure=False, pack=1)
+    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+    if TIMELINE:
+        gl.store(stamps_ptr + tile * 8, t0)
+        _stamp(stamps_ptr, tile, 1, num_warps)
+        _stamp(stamps_ptr, tile, 5, num_warps)
+    return tile
+
+
+@gluon.jit
 def _stamp(stamps, tile, point: gl.constexpr, num_warps: gl.constexpr):
     """TIMELINE: tile ``tile`` records %globaltimer (ns; point 5: %smid) at ``point``."""
     if TIMELINE:
@@ -1176,15 +1210,8 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, act_ptr, 
     cta_barrier()
     done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
     if done == P * SPLIT2 - 1:                # the last of this row tile's down tiles
-        total = gl.zeros([BN2, BM], gl.float32, layout=MMA)
-        for q in range(P):                    # pairs and slices in order: the same sum every call
-            tq = q // TOPK
-            live = (m == tq)[None, :] & (gl.load(ids_ptr + q) >= 0)
-            for q2 in range(SPLIT2):
-                total += gl.load(ypair_ptr + (q2 * P + q) * stride_y + offs_h[:, None] + m[None, :] * 0,
-                                 mask=live, other=0.0, cache_modifier=".cg")
-        gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
-                 total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+        _sum_pairs(gl.zeros([BN2, BM], gl.float32, layout=MMA), ypair_ptr, ids_ptr, out_ptr,
+                   offs_h, m, P, T, TOPK, SPLIT2, stride_y, stride_out)
     _stamp(stamps_ptr, ticket, 4, num_warps)
 
 
@@ -1235,17 +1262,7 @@ def _decode_kernel(xp_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, id
     n_gu = P * n_tiles1 * SPLIT1
     nseg1 = H // 128 // SPLIT1
     nseg2 = I // 128 // SPLIT2
-    if PDL:     # (the timeline's "program start" is then the end of this wait)
-        _gdc_wait(num_warps)
-    t0 = 0
-    if TIMELINE:
-        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
-                                       is_pure=False, pack=1)
-    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-    if TIMELINE:
-        gl.store(stamps_ptr + tile * 8, t0)
-        _stamp(stamps_ptr, tile, 1, num_warps)
-        _stamp(stamps_ptr, tile, 5, num_warps)
+    tile = _ticket(ctr_ptr, stamps_ptr, PDL, num_warps)
     m = gl.arange(0, BM, layout=COLS)
     if tile < n_gu:
         _gate_up_tile(xp_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, act_ptr, part_ptr, ctr_ptr,

@@ -64,10 +64,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
+from dsv4lab.kernels.device import pdl_ok
 from dsv4lab.kernels.gluon_compat import cta_barrier
 from dsv4lab.kernels import moe_mma2
-from dsv4lab.kernels.moe_mma2 import TIMELINE, _gdc_wait, _stamp, _swiglu, _wait_count
+from dsv4lab.kernels.moe_mma2 import TIMELINE, _stamp, _sum_pairs, _swiglu, _ticket, _wait_count
 
 # e5m2 bit placement of 4 packed bytes ($4 + 4 j: word j of the block): l holds the low
 # nibbles' bytes, h the high nibbles'
@@ -447,14 +447,8 @@ def _down_tile(d, ticket, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, a
         OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
         offs_h = pn * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, OL))
         m = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
-        total = gl.zeros([BN2, 8], gl.float32, layout=OL)
-        for q in range(P):                # pairs and slices in order: the same sum every call
-            live = (m == q // TOPK)[None, :] & (gl.load(ids_ptr + q) >= 0)
-            for q2 in range(S2):
-                total += gl.load(ypair_ptr + (q2 * P + q).to(gl.int64) * H + offs_h[:, None] + m[None, :] * 0,
-                                 mask=live, other=0.0, cache_modifier=".cg")
-        gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
-                 total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+        _sum_pairs(gl.zeros([BN2, 8], gl.float32, layout=OL), ypair_ptr, ids_ptr, out_ptr, offs_h,
+                   m, P, T, TOPK, S2, H, stride_out)
     _stamp(stamps_ptr, ticket, 4, num_warps)
 
 
@@ -481,17 +475,7 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
     n_tiles1 = I // BN1
     n_tiles2 = H // BN2
     n_gu = P * n_tiles1 * (H // 2048)
-    if PDL:
-        _gdc_wait(num_warps)
-    t0 = 0
-    if TIMELINE:
-        t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,
-                                       is_pure=False, pack=1)
-    tile = gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
-    if TIMELINE:
-        gl.store(stamps_ptr + tile * 8, t0)
-        _stamp(stamps_ptr, tile, 1, num_warps)
-        _stamp(stamps_ptr, tile, 5, num_warps)
+    tile = _ticket(ctr_ptr, stamps_ptr, PDL, num_warps)
     if tile < n_gu:
         _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
                       part_ptr, ctr_ptr, stamps_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
@@ -505,23 +489,13 @@ def _decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2
 
 
 def supported(x, H: int, I: int, T: int, tensors=()) -> str | None:
-    """None if :func:`fused_decode` runs here on these sizes, else why not (no launch)."""
-    if interpreting():
-        return "Gluon kernels do not run in Triton's interpreter"
-    why = gluon_unsupported()
-    if why is not None:
-        return why
-    if x.device.type != "cuda":
-        return "needs a CUDA GPU"
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        return "needs sm_80 or newer"
+    """None if :func:`fused_decode` runs here on these sizes, else why not (no launch): its
+    sizes, then :func:`dsv4lab.kernels.moe_mma2.supported`'s GPU, Triton and alignment."""
     if H % 2048 or I % 2048:
         return f"hidden and intermediate sizes must be multiples of 2048 (a lane's 64 elements of a row), got {H}, {I}"
     if not 1 <= T <= 8:
         return f"one launch takes 1 to 8 tokens, got {T}"
-    if any(t.data_ptr() % 16 for t in tensors):
-        return "the weights and scales must start 16-byte aligned"
-    return None
+    return moe_mma2.supported(x, H, I, tensors)
 
 
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
