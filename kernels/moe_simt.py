@@ -9,7 +9,7 @@ warp's load of a row reads 1 KB of contiguous bytes. Per 4-byte word (8 elements
 :func:`block_dot_asm`):
 
 - the low and the high nibbles placed as e5m2 bytes ``s 000 e1 e0 m 0`` (CVT8's 7
-  instructions, :mod:`dsv4lab.kernels.moe_mma2`), which are the high bytes of the fp16
+  instructions, :mod:`dsv4lab.kernels.moe_mma2`'s ``_CVT8_PLACE``), which are the high bytes of the fp16
   ``value * 2**-14``; four ``prmt`` (or ``cvt.rn.f16x2.e5m2x2``, ``dec``) make the fp16 pairs;
 - four ``fma.rn.f16x2`` with the lane's x pairs, summed in fp16 over the block's 32 elements
   (x scaled per block by a power of two so that the products stay normal and the sums
@@ -69,28 +69,16 @@ from dsv4lab.kernels.gluon_compat import cta_barrier
 from dsv4lab.kernels import moe_mma2
 from dsv4lab.kernels.moe_mma2 import TIMELINE, _stamp, _sum_pairs, _swiglu, _ticket, _wait_count
 
-# e5m2 bit placement of 4 packed bytes ($4 + 4 j: word j of the block): l holds the low
-# nibbles' bytes, h the high nibbles'
-_PLACE = """
-shl.b32 u, {w}, 4;
-shl.b32 v, {w}, 1;
-and.b32 v, v, 0x0E0E0E0E;
-lop3.b32 l, u, v, 0x80808080, 0xEC;
-shr.b32 u, {w}, 3;
-and.b32 u, u, 0x0E0E0E0E;
-lop3.b32 h, {w}, u, 0x80808080, 0xEC;
-"""
-# fp16 pairs of l and h: d0 (bytes 0, 1 of l), d1 (2, 3 of l), d2, d3 (the same of h), i.e.
-# the elements (0, 2), (4, 6), (1, 3), (5, 7) of the word
+# the fp16 pairs of the placed bytes (moe_mma2._CVT8_PLACE: l the low nibbles' e5m2 bytes, h
+# the high ones', l0 l1 h0 h1 their halves): d0 (bytes 0, 1 of l), d1 (2, 3 of l), d2, d3 (the
+# same of h), i.e. the elements (0, 2), (4, 6), (1, 3), (5, 7) of the word
 _PAIRS = {
     "prmt": """prmt.b32 d0, l, 0, 0x1404;
 prmt.b32 d1, l, 0, 0x3424;
 prmt.b32 d2, h, 0, 0x1404;
 prmt.b32 d3, h, 0, 0x3424;
 """,
-    "cvt": """mov.b32 {l0, l1}, l;
-mov.b32 {h0, h1}, h;
-cvt.rn.f16x2.e5m2x2 d0, l0;
+    "cvt": """cvt.rn.f16x2.e5m2x2 d0, l0;
 cvt.rn.f16x2.e5m2x2 d1, l1;
 cvt.rn.f16x2.e5m2x2 d2, h0;
 cvt.rn.f16x2.e5m2x2 d3, h1;
@@ -103,10 +91,10 @@ def block_dot_asm(dec: str = "prmt", chains: int = 1, outs: int = 1) -> str:
     $8 + 4 i + j the x pair i of word j. ``chains`` fp16x2 accumulators (1: all 16 fma in one;
     2: words 0-1 and 2-3), ``outs`` results (1: the block's sum in $0; 2: words 0-1 in $0 and
     2-3 in $1, NVFP4's two scale blocks); the other results are 0."""
-    body = [".reg .b32 u, v, l, h, d0, d1, d2, d3, a0, a1, t;", ".reg .b16 l0, l1, h0, h1, q0, q1;",
-            ".reg .f32 f0, f1, g0, g1;"]
-    for j in range(4):
-        body.append(_PLACE.format(w=f"${4 + j}"))
+    body = [".reg .b32 a0, a1;", ".reg .b16 q0, q1;", ".reg .f32 f0, f1, g0, g1;"]
+    for j in range(4):          # a scope a word: the placement declares its registers
+        body.append("{\n.reg .b32 d0, d1, d2, d3;")
+        body.append(moe_mma2._CVT8_PLACE.replace("$4", f"${4 + j}"))
         body.append(_PAIRS[dec])
         acc = f"a{(j // 2) if chains == 2 else 0}"
         for i in range(4):
@@ -115,6 +103,7 @@ def block_dot_asm(dec: str = "prmt", chains: int = 1, outs: int = 1) -> str:
                 body.append(f"mul.rn.f16x2 {acc}, d{i}, {x};")
             else:
                 body.append(f"fma.rn.f16x2 {acc}, d{i}, {x}, {acc};")
+        body.append("}")
     def to_f32(a, f, g):
         return (f"mov.b32 {{q0, q1}}, {a};\ncvt.f32.f16 {f}, q0;\ncvt.f32.f16 {g}, q1;\n"
                 f"add.f32 {f}, {f}, {g};")
@@ -532,6 +521,9 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     if dec not in _PAIRS or chains not in (1, 2):
         raise ValueError(f"moe_simt: dec must be one of {sorted(_PAIRS)} and chains 1 or 2, got "
                          f"{dec!r}, {chains!r}")
+    if dec == "cvt" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise ValueError("moe_simt: dec='cvt' converts fp8 (cvt.rn.f16x2.e5m2x2), which needs sm_89 "
+                         "or newer; 'prmt' runs everywhere")
     dev = x.device
     is_nv = fmt == "nvfp4"
     out = torch.empty(T, H, dtype=x.dtype, device=dev)
