@@ -516,6 +516,9 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
         if v % low or v % rr or n % v or v & (v - 1):
             raise ValueError(f"moe_simt: {name} must be a power of two, a multiple of {low} and "
                              f"of num_warps x RB ({rr}), dividing {n}; got {v}")
+    if not isinstance(XW, int) or XW < 1 or XW & (XW - 1) or H % (1024 * XW):
+        raise ValueError(f"moe_simt: XW must be a power of two with H ({H}) a multiple of 1024 XW "
+                         f"(x's copy programs take 1024 XW elements each), got {XW!r}")
     if AHEAD not in (1, 2):
         raise ValueError(f"moe_simt: AHEAD must be 1 or 2 (iterations in flight), got {AHEAD!r}")
     if dec not in _PAIRS or chains not in (1, 2):

@@ -159,6 +159,8 @@ def test_gpu_simt_refusals_and_table_fallback():
     args = (ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
     with pytest.raises(ValueError, match="BN1 must be a power of two, a multiple of 32"):
         moe_simt.fused_decode(x, *args, BN1=48)
+    with pytest.raises(ValueError, match="XW must be a power of two with H .4096. a multiple of 1024 XW"):
+        moe_simt.fused_decode(x, *args, XW=8)
     with pytest.raises(ValueError, match="dec must be one of"):
         moe_simt.fused_decode(x, *args, dec="lut")
     assert "multiples of 2048" in moe_simt.supported(x, 4096, 1536, 1)
