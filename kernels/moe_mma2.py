@@ -991,6 +991,16 @@ def _gdc_wait(num_warps: gl.constexpr):
                               is_pure=False, pack=1)
 
 
+@gluon.jit
+def _gdc_launch_dependents(num_warps: gl.constexpr):
+    """``griddepcontrol.launch_dependents``: the grid launched as this one's programmatic
+    dependent launch may be scheduled once every program here has issued it."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r",
+                              [gl.arange(0, 32 * num_warps, layout=one)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.constexpr_function
 def _sleep_asm(ns):
     return f"nanosleep.u32 {int(ns)}; mov.u32 $0, $1;"
@@ -1354,19 +1364,19 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
             raise ValueError(f"moe_mma2: TILED={TILED!r} reads {name} in the "
                              f"{'packed' if packed else 'canonical'} layout, and it is in the "
                              f"{'canonical' if packed else 'packed'} one (pack_tile_major)")
-    if SIMT is None:
+    if SIMT is not False:
         from dsv4lab.kernels import moe_simt
-        SIMT = FUSED and not TILED and moe_simt.supported(
-            x, H, I, T, (w13, w13_scale, w2, w2_scale)) is None
+        if SIMT is None:
+            SIMT = FUSED and not TILED and moe_simt.supported(
+                x, H, I, T, (w13, w13_scale, w2, w2_scale)) is None
     if SIMT:
         if not FUSED or TILED:
             raise ValueError(f"moe_mma2: SIMT is a one-launch decode (FUSED) of the canonical "
                              f"layout; got FUSED={FUSED!r}, TILED={TILED!r}")
-        from dsv4lab.kernels import moe_simt
         return moe_simt.fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
                                      fmt=fmt, w13_global=w13_global, w2_global=w2_global,
                                      swiglu_limit=swiglu_limit,
-                                     **dict(dict(PDL=PDL), **(SIMT if isinstance(SIMT, dict) else {})))
+                                     **{"PDL": PDL, **(SIMT if isinstance(SIMT, dict) else {})})
     if TILED and (not FUSED or T > int(BM) or REGS == 0):
         raise ValueError("moe_mma2: TILED weights are read by the fused launch's register ring "
                          f"only (FUSED, at most {int(BM)} tokens, REGS 2, 4 or None); got "

@@ -15,7 +15,8 @@ warp's load of a row reads 1 KB of contiguous bytes. Per 4-byte word (8 elements
   (x scaled per block by a power of two so that the products stay normal and the sums
   bounded: ``|x| 2**sx`` in [2**13, 2**14), so a product is below 6 and a block's sum below
   192), then the block's sum to fp32, times its scale (E8M0 ``2**(e - 127)``, or each
-  16-element half's E4M3) and the factor that undoes x's;
+  16-element half's E4M3, decoded by bit placement on every GPU: moe_mma2's ``_mult32``)
+  and the factor that undoes x's;
 - the row's 32 lane sums reduced across the warp.
 
 No block scale touches a weight, MXFP4 needs no row maximum, and a pair of x elements is the
@@ -36,7 +37,7 @@ Measured (H200; `dsv4lab bench moe` rows at 3bae2cd, three runs, and at 78e1e04,
 T = 1 MXFP4 37.2 / 37.4 / 37.6 / 37.3 / 37.2 us (0.509 / 0.506 / 0.504 / 0.507 / 0.508 of the
 FP4-bytes roofline), against 44.7-44.9 for the register ring in the same runs (variant
 ``mma2_regs_t1``); NVFP4 42.0-42.1 with the fp8 conversion of its scales (96 registers),
-40.3-40.4 with :func:`_e4m3_value` (80). The read-only probe had shown the way
+40.3-40.4 with the E4M3 bit placement (80). The read-only probe had shown the way
 (scripts/probe_simt_gemv.py, printout at 3a6d357): these rows times x, the gate/up rows alone
 21.5 us as a graph launch, as fast as reading them (stream_read 21.0, the register ring's
 pattern 23.5), and with the down rows (two launches) 32.1-33.4, as the reads (33.5).
@@ -67,7 +68,8 @@ from triton.experimental.gluon import language as gl
 from dsv4lab.kernels.device import pdl_ok
 from dsv4lab.kernels.gluon_compat import cta_barrier
 from dsv4lab.kernels import moe_mma2
-from dsv4lab.kernels.moe_mma2 import TIMELINE, _stamp, _sum_pairs, _swiglu, _ticket, _wait_count
+from dsv4lab.kernels.moe_mma2 import (TIMELINE, _gdc_launch_dependents, _mult32, _stamp, _sum_pairs,
+                                      _swiglu, _ticket, _wait_count)
 
 # the fp16 pairs of the placed bytes (moe_mma2._CVT8_PLACE: l the low nibbles' e5m2 bytes, h
 # the high ones', l0 l1 h0 h1 their halves): d0 (bytes 0, 1 of l), d1 (2, 3 of l), d2, d3 (the
@@ -86,11 +88,12 @@ cvt.rn.f16x2.e5m2x2 d3, h1;
 }
 
 
-def block_dot_asm(dec: str = "prmt", chains: int = 1, outs: int = 1) -> str:
+def block_dot_asm(dec: str = "prmt", chains: int = 1, nv: bool = False) -> str:
     """PTX for one lane's 16-byte block: operands $0-$3 the fp32 results, $4-$7 the 4 words,
     $8 + 4 i + j the x pair i of word j. ``chains`` fp16x2 accumulators (1: all 16 fma in one;
-    2: words 0-1 and 2-3), ``outs`` results (1: the block's sum in $0; 2: words 0-1 in $0 and
-    2-3 in $1, NVFP4's two scale blocks); the other results are 0."""
+    2: words 0-1 and 2-3); the results: the block's sum in $0, or (``nv``: NVFP4's two scale
+    blocks, always two chains) words 0-1 in $0 and 2-3 in $1; the other results are 0."""
+    chains, outs = (2, 2) if nv else (chains, 1)
     body = [".reg .b32 a0, a1;", ".reg .b16 q0, q1;", ".reg .f32 f0, f1, g0, g1;"]
     for j in range(4):          # a scope a word: the placement declares its registers
         body.append("{\n.reg .b32 d0, d1, d2, d3;")
@@ -146,15 +149,6 @@ def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
     run in blocks of HALF, JUMP apart (a gate/up tile: its gate rows, then the up rows)."""
     q = it * RR + r                     # >= 0, HALF a power of two: masks and shifts
     return (q & (HALF - 1)) + (q >> _log2(HALF)) * JUMP
-
-
-@gluon.jit
-def _e4m3_value(b):
-    """E4M3 bytes -> fp32 values, on every GPU (sm_80 has no fp8 type): the byte's bits
-    placed as the fp16 ``value * 2**-8`` (E4M3's subnormals land on fp16's), then times 2**8."""
-    h = b.to(gl.int16)
-    h = ((h & 0x80) << 8) | ((h & 0x7F) << 7)
-    return h.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
 
 
 @gluon.jit
@@ -224,13 +218,11 @@ def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_bas
         if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
             o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
             o = gl.reshape(o, [RR, 128])
-            f = _e4m3_value(sa)
         else:           # result 0: the block
             o, _ = gl.split(o)
             o, _ = gl.split(o)
-            f = (sa.to(gl.int32) << 23).to(gl.float32, bitcast=True)
         o = gl.convert_layout(o, SL, assert_trivial=True)
-        tot = gl.sum(o * f * cx, axis=1) * mult
+        tot = gl.sum(o * _mult32(sa, IS_NV) * cx, axis=1) * mult
         gl.store(out_base + _row_index(it, rs, RR, HALF, JUMP), tot)
         if AHEAD == 2:
             pa, sa = pb, sb
@@ -287,7 +279,7 @@ def rows_times_x(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor, *, slices: i
         out = torch.empty(slices, N, dtype=torch.float32, device=w.device)
     _rows_kernel[(N // R, slices)](w, s, xq, cx, out, w.stride(0), s.stride(0), xq.stride(0),
                                    cx.stride(0), out.stride(0), RB=RB, R=R, IS_NV=False,
-                                   ASM=block_dot_asm(dec, chains, 1), num_warps=num_warps)
+                                   ASM=block_dot_asm(dec, chains), num_warps=num_warps)
     return out
 
 
@@ -328,9 +320,7 @@ def _x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x, PDL: g
     BL: gl.constexpr = _block_layout(num_warps)
     ONE: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r",
-                                  [gl.arange(0, 32 * num_warps, layout=ONE)], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _gdc_launch_dependents(num_warps)
     t = gl.program_id(0)
     pb = gl.program_id(1)
     if (t == 0) & (pb == 0):
@@ -561,6 +551,6 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
         w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
         HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB,
-        ASM=block_dot_asm(dec, 2 if is_nv else chains, 2 if is_nv else 1), num_warps=num_warps,
+        ASM=block_dot_asm(dec, chains, is_nv), num_warps=num_warps,
         PDL=pdl, AHEAD=AHEAD, SLEEP=int(SLEEP), launch_pdl=pdl, **({} if MAXNREG is None else {"maxnreg": int(MAXNREG)}))
     return out

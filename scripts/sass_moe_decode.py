@@ -54,8 +54,7 @@ def main() -> int:
     if args.simt:
         mod = gluon_sass.kernel_module("moe_simt")
         consts = dict(SIMT_DEFAULTS, **json.loads(args.consts))
-        nv = consts["IS_NV"]
-        consts.setdefault("ASM", mod.block_dot_asm(args.dec, 2 if nv else 1, 2 if nv else 1))
+        consts.setdefault("ASM", mod.block_dot_asm(args.dec, nv=consts["IS_NV"]))
         return _report(mod._decode_kernel, consts, args)
     mod = gluon_sass.kernel_module("moe_mma2")
     # moe.py's FASTDEC asm, read as text (importing moe.py would import dsv4lab)
