@@ -287,7 +287,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from dsv4lab.kernels.device import gluon_unsupported, interpreting, pdl_ok
-from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
+from dsv4lab.kernels.gluon_compat import async_load, cta_barrier, gdc_wait
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
@@ -981,26 +981,6 @@ def _prefetch_l2(rows, nbytes, BN: gl.constexpr, num_warps: gl.constexpr):
                                   is_pure=False, pack=1)
 
 
-@gluon.jit
-def _gdc_wait(num_warps: gl.constexpr):
-    """``griddepcontrol.wait``: everything the grid this one depends on (a programmatic
-    dependent launch) wrote is visible from here on."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r",
-                              [gl.arange(0, 32 * num_warps, layout=one)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents(num_warps: gl.constexpr):
-    """``griddepcontrol.launch_dependents``: the grid launched as this one's programmatic
-    dependent launch may be scheduled once every program here has issued it."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r",
-                              [gl.arange(0, 32 * num_warps, layout=one)], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.constexpr_function
 def _sleep_asm(ns):
     return f"nanosleep.u32 {int(ns)}; mov.u32 $0, $1;"
@@ -1040,7 +1020,7 @@ def _ticket(ctr_ptr, stamps_ptr, PDL: gl.constexpr, num_warps: gl.constexpr):
     next ticket from the counter at ctr_ptr (its tile; the order programs start in, so tiles
     handed out earlier are running); TIMELINE: its start, ticket and SM stamped."""
     if PDL:     # (the timeline's "program start" is then the end of this wait)
-        _gdc_wait(num_warps)
+        gdc_wait(num_warps)
     t0 = 0
     if TIMELINE:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [t0], dtype=gl.int64,

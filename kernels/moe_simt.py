@@ -66,9 +66,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsv4lab.kernels.device import pdl_ok
-from dsv4lab.kernels.gluon_compat import cta_barrier
+from dsv4lab.kernels.gluon_compat import cta_barrier, gdc_launch_dependents
 from dsv4lab.kernels import moe_mma2
-from dsv4lab.kernels.moe_mma2 import (TIMELINE, _gdc_launch_dependents, _mult32, _stamp, _sum_pairs,
+from dsv4lab.kernels.moe_mma2 import (TIMELINE, _mult32, _stamp, _sum_pairs,
                                       _swiglu, _ticket, _wait_count)
 
 # the fp16 pairs of the placed bytes (moe_mma2._CVT8_PLACE: l the low nibbles' e5m2 bytes, h
@@ -320,7 +320,7 @@ def _x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x, PDL: g
     BL: gl.constexpr = _block_layout(num_warps)
     ONE: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     if PDL:
-        _gdc_launch_dependents(num_warps)
+        gdc_launch_dependents(num_warps)
     t = gl.program_id(0)
     pb = gl.program_id(1)
     if (t == 0) & (pb == 0):

@@ -155,7 +155,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4lab.kernels.device import gluon_unsupported
 from dsv4lab.kernels import l2_hint
-from dsv4lab.kernels.gluon_compat import async_load, cta_barrier
+from dsv4lab.kernels.gluon_compat import async_load, cta_barrier, gdc_launch_dependents
 
 HEADS = gl.constexpr(64)
 DIM = gl.constexpr(512)
@@ -185,15 +185,6 @@ def _stamp(stamps, prog, point: gl.constexpr):
         t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [i], dtype=gl.int64,
                                       is_pure=False, pack=1)
         gl.store(stamps.to(gl.pointer_type(gl.int64)) + prog * 16 + point + 0 * i, t, mask=i == 0)
-
-
-@gluon.jit
-def _launch_dependents():
-    """``griddepcontrol.launch_dependents``: a dependent grid launched with PDL may start."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r",
-                              [gl.arange(0, 128, layout=one)], dtype=gl.int32, is_pure=False,
-                              pack=1)
 
 
 @gluon.jit
@@ -757,7 +748,7 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
     if EVICT_KV:    # the KV gathers' cp.async under an L2 evict-first policy
         l2_hint.mark(num_warps)
     if PDL:     # the combine (a programmatic dependent launch) may be scheduled now
-        _launch_dependents()
+        gdc_launch_dependents(num_warps)
     sp = pid % num_splits
     bs = (pid // num_splits).to(gl.int64)
     start = sp * split_rows
