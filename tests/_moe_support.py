@@ -1,4 +1,5 @@
-"""Shared by the MoE test files: routings with the awkward cases drawn in."""
+"""Shared by the MoE test files: routings with the awkward cases drawn in, and the NVFP4
+globals as the kernels take them."""
 import torch
 
 from dsv4lab.ops import route
@@ -16,3 +17,10 @@ def draw_routing(T: int, E: int, k: int, routing: str, g: torch.Generator):
     elif routing == "holes":
         ids[torch.rand(T, k, generator=g) < 0.4] = -1
     return ids, w
+
+
+def per_expert_globals(ex: dict, device=None) -> dict:
+    """``ex["kw"]``'s NVFP4 global scales (one per tensor; MXFP4 has none) expanded to [E]
+    tensors on ``device`` (default: where they are), the per-expert form the kernels read."""
+    E = ex["w13"].shape[0]
+    return {n: v.to(device).reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}

@@ -19,7 +19,7 @@ from dsv4lab.ops import fused_moe, hash_route, route
 from dsv4lab.ops.moe import moe_dense
 from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize
 
-from _moe_support import draw_routing
+from _moe_support import draw_routing, per_expert_globals
 
 TOL = {torch.float32: 3e-3, torch.bfloat16: 1.2e-2, torch.float16: 4e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -509,7 +509,7 @@ def _mixed_scales_case(fmt, cfg, H, I):
     ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
     ids[1, 1] = -1
     ref = run_moe(x, ex, ids, w, fmt, None, "torch")
-    kw = {n: v.reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    kw = per_expert_globals(ex)
     out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
                          swiglu_limit=None, config=dict(kmoe.PLAIN, **cfg), **kw)
     assert_close(out, ref, torch.float32)
@@ -754,7 +754,7 @@ def _flash_variant_case(fmt, T, seed):
     ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
     ids[0, -1] = -1
     ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
-    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    kw = per_expert_globals(ex, "cuda")
     return x, ex, ids, w, ref, kw
 
 
@@ -1095,7 +1095,7 @@ def _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed):
     ids, w = draw_routing(T, E, k, routing, g)
     ids, w = ids.cuda(), w.cuda()
     ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
-    kw = {n: v.cuda().reshape(1).expand(E).contiguous() for n, v in ex["kw"].items()}
+    kw = per_expert_globals(ex, "cuda")
     return x, ex, ids, w, ref, kw
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dsv4lab.ops import fused_moe
 from dsv4lab.quant import mxfp4_quantize, nvfp4_quantize
 
-from _moe_support import draw_routing
+from _moe_support import draw_routing, per_expert_globals
 from test_moe import assert_close, make_experts
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -58,7 +58,7 @@ def _case(E, H, I, T, k, fmt, routing, seed):
 
 def _simt(x, ex, ids, w, fmt, limit, **kw):
     from dsv4lab.kernels import moe_simt
-    glob = {n: v.cuda().reshape(1).expand(ex["w13"].shape[0]).contiguous() for n, v in ex["kw"].items()}
+    glob = per_expert_globals(ex, "cuda")
     return moe_simt.fused_decode(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
                                  fmt=fmt, swiglu_limit=limit, **glob, **kw)
 
