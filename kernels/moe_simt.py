@@ -33,11 +33,11 @@ the last to finish, which writes the SwiGLU as the down tiles' x pairs), then do
 for the pair), the pairs summed by a row tile's last down tile in a fixed order. Each warp's
 next RB rows are in flight while it works on these (``AHEAD``), under the L2 evict-first policy.
 
-Measured (H200; `dsv4lab bench moe` rows at 3bae2cd, three runs, and at 78e1e04, two runs):
-T = 1 MXFP4 37.2 / 37.4 / 37.6 / 37.3 / 37.2 us (0.509 / 0.506 / 0.504 / 0.507 / 0.508 of the
-FP4-bytes roofline), against 44.7-44.9 for the register ring in the same runs (variant
-``mma2_regs_t1``); NVFP4 42.0-42.1 with the fp8 conversion of its scales (96 registers),
-40.3-40.4 with the E4M3 bit placement (80). The read-only probe had shown the way
+Measured (H200; `dsv4lab bench moe` rows at 3bae2cd, three runs, at 78e1e04, two, at 7eb340a and
+at c260229): T = 1 MXFP4 37.2 / 37.4 / 37.6 / 37.3 / 37.2 / 37.4 / 37.5 us (0.509 / 0.506 / 0.504 /
+0.507 / 0.508 / 0.506 / 0.504 of the FP4-bytes roofline), against 44.7-44.9 for the register ring
+in the same runs (variant ``mma2_regs_t1``); NVFP4 42.0-42.1 with the fp8 conversion of its scales
+(96 registers), 40.1-40.4 with the E4M3 bit placement (80). The read-only probe had shown the way
 (scripts/probe_simt_gemv.py, printout at 3a6d357): these rows times x, the gate/up rows alone
 21.5 us as a graph launch, as fast as reading them (stream_read 21.0, the register ring's
 pattern 23.5), and with the down rows (two launches) 32.1-33.4, as the reads (33.5).
