@@ -1,7 +1,10 @@
 """Packaging and notebook hygiene: environment.yml agrees with pyproject.toml; committed
-notebooks carry no outputs and define no kernels or library logic; every script parses."""
+notebooks carry no outputs and define no kernels or library logic; every script parses, and
+the diagnostics patch applies to the kernel it patches."""
 import ast
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,6 +119,16 @@ def test_script_parses(path):
     # the scripts run on the GPU host only (most need a GPU), so nothing else imports them
     # here: a record appended to one once left scripts/tune_moe.py unparseable (0f83472)
     ast.parse(path.read_text(), filename=str(path))
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                    reason="needs a git checkout")
+def test_diagnostics_patch_applies():
+    # README and tune_moe quote `git apply scripts/moe_t1_diagnostics.patch`: a refactor of
+    # kernels/moe_mma2.py once left it failing to apply (the shared _ticket, session 22)
+    run = subprocess.run(["git", "apply", "--check", "scripts/moe_t1_diagnostics.patch"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
