@@ -1,9 +1,11 @@
-"""Same-process A/B of the T = 1 fused MoE decode (kernels/moe_mma2.py) against launch-key changes.
+"""Same-process A/B of the T = 1 fused MoE decode against launch-key changes.
 
     python3 scripts/ab_moe_t1.py '{"TILED": true}' '{"EARLY": false}' [--rounds 3]
 
 Each argument is a JSON object of moe_mma2 launch keys over the table's T = 1 config (the
-entry, which runs first). Every variant is timed ``--rounds`` times, the variants interleaved
+entry, which runs first; at Flash's sizes kernels/moe_simt.py's decode since session 22, whose
+own keys go in ``{"SIMT": {...}}``; ``{"SIMT": false}`` selects kernels/moe_mma2.py's launch,
+which the other keys then set). Every variant is timed ``--rounds`` times, the variants interleaved
 round by round (CUDA-graph replays after do_bench's L2 flush, as ``dsv4lab bench moe`` times
 them), so that a drift of the machine reaches them all alike; both formats, Flash's shape, one
 token. "same bits": the variant's output equals the entry's; "registers": those of the decode

@@ -3,10 +3,11 @@
     python3 scripts/ncu_moe_t1.py [--fmt mxfp4|nvfp4] [--launch '{"TILED": true}'] [--top 25]
         [--out DIR]
 
-Profiles one call of kernels/moe_mma2.py's ``_decode_kernel`` (the table's T = 1 config, with
-``--launch`` keys over its MMA2 entry; weights packed as the keys ask, as ``dsv4lab bench moe``
-packs them) at Flash's shape, after warm-up calls, with ``ncu`` (SpeedOfLight, WarpStateStats,
-SourceCounters; ncu locks the clocks to base and flushes the caches before the profiled call).
+Profiles one call of the ``_decode_kernel`` of the table's T = 1 config at Flash's shape
+(kernels/moe_simt.py's since session 22; ``--launch '{"SIMT": false}'`` for kernels/moe_mma2.py's,
+which the session-21 figures profiled), ``--launch`` keys over its MMA2 entry, the weights packed
+as the keys ask (as ``dsv4lab bench moe`` packs them), after warm-up calls, with ``ncu``
+(SpeedOfLight, WarpStateStats, SourceCounters; ncu locks the clocks to base and flushes the caches before the profiled call).
 Prints the kernel's duration and throughputs, the stall samples by reason and the instructions
 with the most samples, then the executed warp instructions by opcode (scripts/ncu_report.py
 reads the report). The diagnostic builds of scripts/moe_t1_diagnostics.patch are profiled the same way

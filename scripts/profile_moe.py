@@ -11,8 +11,9 @@ the L2 flush), each replay's kernels with their start and end against the replay
 how much of the timed figure is the kernels and how much is launch and the gaps between; then
 the same for a graph of one small torch kernel, the floor every graph-timed row carries.
 
-``--timeline``: the table's T = 1 config (kernels/moe_mma2.py's FUSED launch) with each
-tile's %globaltimer stamps (moe_mma2.TIMELINE_POINTS): when the gate/up and down tiles
+``--timeline``: the table's T = 1 config (at Flash's sizes kernels/moe_simt.py's one-launch
+decode since session 22; ``--launch '{"SIMT": false}'`` for kernels/moe_mma2.py's FUSED launch)
+with each tile's %globaltimer stamps (moe_mma2.TIMELINE_POINTS): when the gate/up and down tiles
 start, wait, loop and end, and how many run at once over the launch.
 
 Flash shape (E 256, H 4096, I 2048, top-6), random MXFP4 experts as in ``dsv4lab bench moe``;
