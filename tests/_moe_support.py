@@ -1,8 +1,9 @@
-"""Shared by the MoE test files: routings with the awkward cases drawn in, and the NVFP4
-globals as the kernels take them."""
+"""Shared by the MoE test files: routings with the awkward cases drawn in, experts quantised
+from their weights, and the NVFP4 globals as the kernels take them."""
 import torch
 
 from dsv4lab.ops import route
+from dsv4lab.quant import mxfp4_quantize, nvfp4_quantize
 
 ROUTINGS = ("random", "skewed", "holes")
 
@@ -17,6 +18,18 @@ def draw_routing(T: int, E: int, k: int, routing: str, g: torch.Generator):
     elif routing == "holes":
         ids[torch.rand(T, k, generator=g) < 0.4] = -1
     return ids, w
+
+
+def quantised_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> dict:
+    """Weights w13 [E, 2I, H] and w2 [E, H, I] quantised to ``fmt`` where they are: the packed
+    weights and scales, and ``kw`` the NVFP4 global scales (empty for MXFP4)."""
+    if fmt == "mxfp4":
+        (a, b), (c, d), kw = mxfp4_quantize(w13), mxfp4_quantize(w2), {}
+    else:
+        a, b, g13 = nvfp4_quantize(w13)
+        c, d, g2 = nvfp4_quantize(w2)
+        kw = dict(w13_global=g13, w2_global=g2)
+    return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw=kw)
 
 
 def per_expert_globals(ex: dict, device=None) -> dict:

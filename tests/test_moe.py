@@ -17,9 +17,9 @@ from hypothesis import given, settings, strategies as st
 from dsv4lab import backends
 from dsv4lab.ops import fused_moe, hash_route, route
 from dsv4lab.ops.moe import moe_dense
-from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize, nvfp4_quantize
+from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize
 
-from _moe_support import draw_routing, per_expert_globals
+from _moe_support import draw_routing, per_expert_globals, quantised_experts
 
 TOL = {torch.float32: 3e-3, torch.bfloat16: 1.2e-2, torch.float16: 4e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -29,13 +29,7 @@ def make_experts(E, H, I, fmt, *, seed=0, device="cpu", scale=0.5):
     g = torch.Generator(device="cpu").manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, generator=g) * scale).to(device)
     w2 = (torch.randn(E, H, I, generator=g) * scale).to(device)
-    if fmt == "mxfp4":
-        a, b = mxfp4_quantize(w13)
-        c, d = mxfp4_quantize(w2)
-        return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw={})
-    a, b, g13 = nvfp4_quantize(w13)
-    c, d, g2 = nvfp4_quantize(w2)
-    return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw=dict(w13_global=g13, w2_global=g2))
+    return quantised_experts(w13, w2, fmt)
 
 
 def run_moe(x, ex, ids, w, fmt, limit, backend):
@@ -499,12 +493,7 @@ def _mixed_scales_case(fmt, cfg, H, I):
     w13 = torch.randn(E, 2 * I, H // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, 2 * I, H // 32, 1), generator=g).float())
     w2 = torch.randn(E, H, I // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, H, I // 32, 1), generator=g).float())
     w13, w2 = w13.flatten(-2), w2.flatten(-2)
-    if fmt == "mxfp4":
-        (a, b), (c, d) = mxfp4_quantize(w13), mxfp4_quantize(w2)
-        ex = dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw={})
-    else:
-        (a, b, g1), (c, d, g2) = nvfp4_quantize(w13), nvfp4_quantize(w2)
-        ex = dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw=dict(w13_global=g1, w2_global=g2))
+    ex = quantised_experts(w13, w2, fmt)
     x = torch.randn(T, H, generator=g)
     ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
     ids[1, 1] = -1
