@@ -283,7 +283,6 @@ def rows_times_x(w: torch.Tensor, s: torch.Tensor, x: torch.Tensor, *, slices: i
     return out
 
 
-
 @triton.constexpr_function
 def _block_layout(W):
     """[blocks, 32]: a thread holds a 32-element block (its largest |value| in-thread)."""
@@ -371,7 +370,7 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
     cta_barrier()
     last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
     if last & (e >= 0):     # the row tile's last slice: sum in slice order, the SwiGLU
-        BL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])  # few registers
+        BL: gl.constexpr = _layout(1, 1, num_warps)    # an element a thread: few registers
         n = (pn * BN1 + gl.arange(0, BN1 // 32, layout=gl.SliceLayout(1, BL))[:, None] * 32
              + gl.arange(0, 32, layout=gl.SliceLayout(0, BL))[None, :])
         gate = gl.zeros([BN1 // 32, 32], gl.float32, layout=BL)
