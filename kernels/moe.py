@@ -1093,7 +1093,7 @@ _MMA2_T1_REGS = dict(FUSED=True, MAX_T=1, BN1=32, BN2=32, SPLIT1=2, SPLIT2=1, ST
 # x in registers, fp16x2 fma a 32-element block, the block scales on its fp32 sum; the same
 # ticketed schedule), elsewhere the register ring above. `dsv4lab bench moe` rows (H200, at
 # 3bae2cd, 78e1e04, 7eb340a and c260229, seven runs): MXFP4 37.2-37.6 us (0.504-0.509), NVFP4
-# 40.1-40.4 (from 78e1e04), against 44.7-44.9 / 46.7-47.1 for the register ring (variant
+# 40.1-40.4 (from 78e1e04), against 44.7-44.9 / 46.7-47.2 for the register ring (variant
 # mma2_regs_t1, the entry before) in the same runs.
 _MMA2_T1 = dict(_MMA2_T1_REGS, EVICT=None, PREFETCH=False, SIMT=None)
 CONFIGS = [
