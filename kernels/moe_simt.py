@@ -522,8 +522,9 @@ def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt
     if P == 0:
         return out.zero_()
     w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    pdl = pdl_ok(dev) if PDL is None else bool(PDL)
-    if pdl and not pdl_ok(dev):
+    pdl_able = pdl_ok(dev)
+    pdl = pdl_able if PDL is None else bool(PDL)
+    if pdl and not pdl_able:
         raise ValueError("moe_simt: PDL needs sm_90 or newer (griddepcontrol)")
     xq = torch.empty(T, 4, H // 8, dtype=torch.int32, device=dev)
     xc = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
