@@ -29,6 +29,11 @@ def quantised_experts(w13: torch.Tensor, w2: torch.Tensor, fmt: str) -> dict:
         a, b, g13 = nvfp4_quantize(w13)
         c, d, g2 = nvfp4_quantize(w2)
         kw = dict(w13_global=g13, w2_global=g2)
+    if w13.is_cuda:
+        # the quantisers work in float64: at Flash's sizes the peak is many GB, which torch's
+        # allocator would keep reserved in this process; with 8 xdist workers on one GPU those
+        # reservations together ran it out of memory (torch.OutOfMemoryError, session 23)
+        torch.cuda.empty_cache()
     return dict(w13=a, w13_scale=b, w2=c, w2_scale=d, kw=kw)
 
 
