@@ -1,0 +1,1 @@
+"""Drivers: the decode step at real scale, tensor parallelism, and the analytic models."""
