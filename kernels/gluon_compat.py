@@ -1,6 +1,7 @@
-"""What the Gluon kernels (kernels/moe_mma2.py, kernels/moe_simt.py, kernels/sparse_mla_ws.py)
-share: Gluon names that moved between Triton releases, resolved once, and the programmatic
-dependent launch's two PTX instructions, which Gluon has no builtin for.
+"""What the Gluon kernels (kernels/attention/ws_sm90.py, kernels/moe/mma_sm90.py,
+kernels/moe/gemv_sm90.py) share: Gluon names that moved between Triton releases, resolved
+once, and the programmatic dependent launch's two PTX instructions, which Gluon has no
+builtin for.
 
 - ``cta_barrier``: every thread of the program waits for every other (``bar.sync``).
   Triton 3.6 calls it ``gl.thread_barrier()``; Triton 3.9 has ``gl.barrier(cluster=False)``

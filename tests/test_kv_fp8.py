@@ -73,6 +73,7 @@ def test_zeros():
     (torch.full((2, 512), float("inf")), "NaN or Inf"),
     (torch.zeros(2, 576), "512"),
     (torch.zeros(2, 512, dtype=torch.int32), "bf16"),
+    (torch.full((2, 512), 3.3e38), "above 2\\^127"),
 ])
 def test_pack_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -86,5 +87,16 @@ def test_unpack_bad_input():
         unpack_kv_fp8(torch.zeros(2, 583, dtype=torch.uint8))
     p = pack_kv_fp8(torch.ones(1, 512))
     p[0, 577] = 255
-    with pytest.raises(ValueError, match="255"):
+    with pytest.raises(ValueError, match=r"packed has a scale byte of 255 \(ue8m0 NaN\)"):
         unpack_kv_fp8(p)
+
+
+@pytest.mark.parametrize("magnitude", [2.0 ** 127, 1e30, 1.0, 1e-30, 1e-45, 0.0])
+def test_pack_never_writes_the_nan_scale_byte(magnitude):
+    """Scale bytes stay in 0..254 for any finite input, from fp32's largest values to its
+    smallest subnormals and zero (255 is ue8m0's NaN); the round trip stays finite."""
+    kv = torch.full((2, 512), magnitude)
+    kv[1, ::2] = -magnitude
+    p = pack_kv_fp8(kv)
+    assert int(p[:, 576:583].max()) <= 254
+    assert torch.isfinite(unpack_kv_fp8(p)).all()

@@ -6,7 +6,6 @@ DeepSeek-V4 shapes (H 64, D 512, topk 2048, B up to 128) with fresh random data.
 import dsv4lab  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 
 import math
-import os
 
 import pytest
 import torch
@@ -79,9 +78,7 @@ def assert_matches_reference(q, out, lse, ref, ref_lse, out_atol_factor=1):
     return out, lse
 
 
-# ----------------------------------------------------------------------------------------
-# The reference itself, against a per-element loop
-# ----------------------------------------------------------------------------------------
+# ---- The reference itself, against a per-element loop ----
 
 def test_reference_matches_loop():
     q, kv, idx, sink = make_case(2, 2, 3, 16, 10, 6, dtype=torch.float32, sink=True,
@@ -98,9 +95,7 @@ def test_reference_matches_loop():
                 assert abs(lse[b, s, h].item() - torch.logsumexp(logits, 0).item()) < 1e-5
 
 
-# ----------------------------------------------------------------------------------------
-# Kernels against the reference (interpreter on the CPU)
-# ----------------------------------------------------------------------------------------
+# ---- Kernels against the reference (interpreter on the CPU) ----
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 5), D=st.sampled_from([16, 48, 64]),
@@ -134,22 +129,22 @@ def test_mma_fp8_matches_reference(B, S, topk, sink, paged, seed):
     check_against_reference(q, kv, idx, snk, "mma", d_v=512)
 
 
-def test_mma_d512_h64_bf16():
-    """The real head block (64 heads) and the real latent width, tiny B/topk."""
-    q, kv, idx, sink = make_case(1, 2, 64, 512, 80, 35, sink=True)
-    check_against_reference(q, kv, idx, sink, "mma", d_v=512)
+def _mma(q, kv, idx, sink, d_v, config=None, **kw):
+    """Lesson 2's launcher with ``config`` (the interpreter's by default)."""
+    from dsv4lab.kernels.attention import dispatch, mma
+    return mma.sparse_mla_mma(q, kv.reshape(-1, kv.shape[-1]), idx,
+                              None if sink is None else sink.float(), q.shape[-1] ** -0.5, d_v,
+                              config or dispatch.INTERPRETER, **kw)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
 @pytest.mark.parametrize("sink", [False, True])
 def test_mma_split_kv_matches_unsplit(splits, sink):
     """Split-KV + combine gives the reference's answer, incl. splits that see only -1."""
-    from dsv4lab.kernels.sparse_mla_mma import sparse_mla_mma
     q, kv, idx, snk = make_case(1, 2, 16, 32, 60, 150, dtype=torch.float32, sink=sink)
     idx[0, 1, 64:] = -1                        # splits 2 and 3 of query 1 are empty
     idx[0, 0, :] = -1                          # query 0 has nothing at all
-    scale = 32 ** -0.5
-    out, lse = sparse_mla_mma(q, kv, idx, snk, scale, 32, num_splits=splits)
+    out, lse = _mma(q, kv, idx, snk, 32, num_splits=splits)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="torch")
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
@@ -163,11 +158,10 @@ def test_mma_split_kv_matches_unsplit(splits, sink):
 def test_combine_splits_both_kernels(B, S, H, sink, splits, part_dtype):
     """The split-KV combine against a torch merge of the same partials, on both of its
     kernels (one head a program with few queries, 8 heads a program with B*S_q*H >= 16 x
-    SMs; the CPU counts as 8 SMs, so there the last two shapes take the 8-head kernel; on a GPU
-    the real-shape tests reach it), with 3 and 40 splits (more than a 32-wide block of
-    them): empty splits (lse -inf), a query with nothing at all; fp32 and bf16
-    (Config.part16) partials."""
-    from dsv4lab.kernels.sparse_mla_mma import combine_splits
+    SMs; the CPU counts as 8 SMs, so there the last two shapes take the 8-head kernel), with
+    3 and 40 splits (more than a 32-wide block of them): empty splits (lse -inf), a query with
+    nothing at all; fp32 partials (fp32 q) and bf16 ones (16-bit q)."""
+    from dsv4lab.kernels.attention.mma import combine_splits
     d_v = 48
     g = torch.Generator().manual_seed(B * 100 + H)
     opart = torch.randn(B * S, splits, H, d_v, generator=g).to(part_dtype)
@@ -192,46 +186,83 @@ def test_combine_splits_both_kernels(B, S, H, sink, splits, part_dtype):
     torch.testing.assert_close(lse.reshape(B * S, H), ref_lse, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-@pytest.mark.parametrize("block_h, splits", [(16, 0), (64, 1), (16, 3)])
-def test_mma_config_variants(lazy, block_h, splits):
-    """Every launch-configuration knob the tuner sweeps gives the reference's answer:
-    the lazy rescale (large scores so the running max moves several times), head blocks
-    smaller than H (H = 20: two blocks, one partial), forced split counts."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
-    q, kv, idx, snk = make_case(2, 2, 20, 32, 90, 150, dtype=torch.float32, sink=True,
-                                empty_rows=[(1, 0)], seed=block_h + splits)
-    q = q * 6.0
-    kv = kv * torch.linspace(0.1, 3.0, kv.shape[0])[:, None]   # later rows score higher
-    idx[0, 0] = torch.arange(150, dtype=torch.int32) % 90      # ascending: max keeps growing
-    scale = 32 ** -0.5
-    out, lse = sparse_mla_mma(q, kv, idx, snk, scale, 32,
-                              config=Config(16, 4, 1, block_h, lazy, splits))
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="torch")
-    torch.testing.assert_close(out, ref, **TOL[torch.float32])
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=0)
+def _every_config():
+    """Every launch configuration of the Triton kernel the dispatch can pick: the tuned
+    entries and the portable ones, at V4's shape and others, on every checked GPU."""
+    from dsv4lab.kernels.attention import dispatch
+    from dsv4lab.kernels.device import CAPABILITIES, DeviceProps
+    cfgs = {c for table in dispatch.TUNED.values() for c in table.values()}
+    for cap in CAPABILITIES:
+        p = DeviceProps.nominal(cap)
+        for rows in (1, 2, 8, 64, 256):
+            for dim in (64, 512, 576):
+                for fp8 in (False, True):
+                    cfgs.add(dispatch.portable_config(p, rows, dim, fp8))
+    return sorted(cfgs)
+
+
+@pytest.mark.parametrize("config", _every_config(), ids=str)
+@pytest.mark.parametrize("kv_kind, splits", [("bf16", 1), ("bf16", 3), ("fp8", 1), ("fp8", 3),
+                                             ("fp8_bits", 3)])
+def test_every_config_matches_reference(config, kv_kind, splits):
+    """Each configuration (its tile, head block, PIPE_GATHER with the FP8 scale word,
+    SPLIT_QK, PDL and evict_kv asked for) at 64 heads and D = 512: -1 slots, an all -1 query,
+    a -1 tail (trimmed), topk not a multiple of any tile, split or not, bf16 and the FP8 cache
+    (both dequant paths); the bf16 tolerance."""
+    fp8 = kv_kind != "bf16"
+    q, kv, idx, snk = make_case(1, 2, 64, 512, 90, 75, fp8=fp8, sink=True, empty_rows=[(0, 1)],
+                                seed=11 + splits)
+    idx[0, 0, 40:] = -1
+    out, lse = _mma(q, kv, idx, snk, 512, config, fp8=fp8, num_splits=splits,
+                    fp8_hw=kv_kind != "fp8_bits")
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
+    assert_matches_reference(q, out, lse, ref, ref_lse)
 
 
 @pytest.mark.parametrize("fp8_hw", [False, True])
-def test_mma_fp8_dequant_paths(fp8_hw):
-    """Both FP8 dequantisers (hardware e4m3 conversion, portable bit moves) agree with the
-    reference, including a block scaled far from 1 and a subnormal e4m3 value."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
+@pytest.mark.parametrize("pipe_gather", [False, True])
+def test_mma_fp8_dequant_paths(fp8_hw, pipe_gather):
+    """The FP8 dequantisers (hardware e4m3 conversion with byte scales or, in the PIPE_GATHER
+    loop, the scale word; portable bit moves) agree with the reference: a block scaled far from
+    1, a subnormal e4m3 value, and rows whose groups get scales from 2^-20 to 2^4 (a wrong byte
+    of the scale word shows)."""
+    from dsv4lab.kernels.attention.mma import Config
     g = torch.Generator().manual_seed(7)
     raw = torch.randn(40, 512, generator=g)
     raw[3, :64] *= 1e-3                       # small scale
     raw[5, 64:128] *= 300.0                   # large scale
     raw[7, 0], raw[7, 1] = 1.0, 1e-3          # a subnormal after scaling
+    e = torch.randint(-20, 5, (40, 8), generator=g).float()
+    raw[8:] = (raw[8:].view(32, 8, 64) * torch.exp2(e[8:])[:, :, None]).view(32, 512)
     kv = pack_kv_fp8(raw)
+    assert len(set(kv[:, 576:583].flatten().tolist())) > 20     # the scales really vary
     q = torch.randn(2, 1, 16, 512, generator=g).to(torch.bfloat16) * 0.05
     idx = torch.randint(0, 40, (2, 1, 33), generator=g, dtype=torch.int32)
     idx[0, 0, :8] = torch.tensor([3, 5, 7, -1, 3, 5, 7, 0], dtype=torch.int32)
-    scale = 512 ** -0.5
-    out, lse = sparse_mla_mma(q, kv, idx, None, scale, 512, fp8=True, fp8_hw=fp8_hw,
-                              config=Config(16, 4, 1, 16, True, 0))
+    q, kv, idx = q.to(DEV), kv.to(DEV), idx.to(DEV)
+    out, lse = _mma(q, kv, idx, None, 512, Config(16, 4, 2, 16, pipe_gather=pipe_gather),
+                    fp8=True, fp8_hw=fp8_hw)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, backend="torch")
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+    # outputs span 2^-20..2^7: compared relative to each query's output scale
+    big = ref.float().abs().amax(-1, keepdim=True).clamp(min=1e-30)
+    torch.testing.assert_close(out.float() / big, ref.float() / big, **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("split_qk, pipe_gather", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("d_v", [64, 48, 16])
+def test_mma_loops_with_d_v_below_d(dtype, split_qk, pipe_gather, d_v):
+    """SPLIT_QK and PIPE_GATHER with V masked from the K tile (d_v 48) or loaded apart (d_v 16,
+    a narrower power of two), fp32 and bf16, -1 slots, an all -1 query, splits and a sink."""
+    from dsv4lab.kernels.attention.mma import Config
+    q, kv, idx, snk = make_case(2, 2, 16, 64, 90, 75, dtype=dtype, sink=True,
+                                empty_rows=[(0, 1)], seed=41 + d_v)
+    idx[1, 0, 40:] = -1
+    cfg = Config(16, 4, 3, 16, pipe_gather=pipe_gather, split_qk=split_qk)
+    out, lse = _mma(q, kv, idx, snk, d_v, cfg, num_splits=3)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=d_v, attn_sink=snk, backend="torch")
+    assert_matches_reference(q, out, lse, ref, ref_lse)
 
 
 @pytest.mark.parametrize("backend", ["simt", "mma"])
@@ -239,7 +270,7 @@ def test_mma_fp8_dequant_paths(fp8_hw):
 def test_mostly_empty_long_lists(backend, layout):
     """A long index list that is almost all -1 (the ratio-128 layers' max-context lists):
     the kernels drop the dead tail tiles; the answer must not change. ``prefix``: a window
-    then entries then a -1 tail, as dsv4lab/step.py builds them; ``scattered``: a few valid
+    then entries then a -1 tail, as the decode step builds them; ``scattered``: a few valid
     slots anywhere, incl. the very last; ``none``: one query with no valid slot at all.
     (The interpreter scans 32 slots per load, so the tail scan takes several loads.)"""
     q, kv, idx, snk = make_case(2, 2, 16, 32, 50, 300, dtype=torch.float32, sink=True,
@@ -257,8 +288,7 @@ def test_mostly_empty_long_lists(backend, layout):
     idx = torch.where(keep, idx, torch.full_like(idx, -1))
     for splits in (1, 3) if backend == "mma" else (None,):
         if backend == "mma":
-            from dsv4lab.kernels.sparse_mla_mma import sparse_mla_mma
-            out, lse = sparse_mla_mma(q, kv, idx, snk, 32 ** -0.5, 32, num_splits=splits)
+            out, lse = _mma(q, kv, idx, snk, 32, num_splits=splits)
         else:
             out, lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="simt")
         ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=snk, backend="torch")
@@ -299,14 +329,98 @@ def test_softmax_scale_and_fp16():
         check_against_reference(q, kv, idx, sink, backend, d_v=32, scale=0.37)
 
 
-def test_auto_picks_mma():
-    assert backends.resolve("sparse_mla_decode", "auto", fmt="dense").name == "mma"
-    assert backends.resolve("sparse_mla_decode", "auto", fmt="fp8").name == "mma"
+# ---- The dispatch table (kernels/attention/dispatch.py) ----
+
+V4 = dict(H=64, D=512, d_v=512, q_dtype=torch.bfloat16, aligned=True)
 
 
-# ----------------------------------------------------------------------------------------
-# Bad inputs: a ValueError naming the argument, before any kernel
-# ----------------------------------------------------------------------------------------
+def test_dispatch_table_gates_the_sm90_kernel_exactly():
+    """One table: the warp-specialised kernel on exactly the GPU it ran on (sm_90), the
+    portable lesson kernel last, for every GPU; describe() gives its rows."""
+    from dsv4lab.kernels.attention import dispatch
+    from dsv4lab.kernels.device import DeviceProps, choose, describe
+    table = dispatch.TABLES["sparse_mla_decode"]
+    assert [r.kernel for r in table] == ["ws_sm90", "mma"]
+    # in this process (the interpreter), a plan is the interpreter's
+    assert dispatch.plan(DeviceProps.cpu(), B=64, S_q=1, topk=640, fp8=False, **V4).config == \
+        dispatch.INTERPRETER
+    assert table[0].capabilities == frozenset({(9, 0)}) and table[-1].capabilities is None
+    rows = describe(table)
+    assert rows[0]["gpus"] == "sm_90" and rows[1]["gpus"] == "any"
+    assert all(r["why"] for r in rows)
+    shape = dict(rows=64, heads=64, dim=512, d_v=512, q_dtype=torch.bfloat16, fp8=False,
+                 aligned=True, offline=True)
+    for cap in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        assert choose(table, DeviceProps.nominal(cap), **shape).kernel == "mma"
+    h200 = DeviceProps.nominal((9, 0))
+    assert choose(table, h200, **shape).kernel == "ws_sm90"
+    for change in (dict(rows=16), dict(heads=32), dict(d_v=448), dict(aligned=False),
+                   dict(q_dtype=torch.float32), dict(q_dtype=torch.float16, fp8=True)):
+        assert choose(table, h200, **dict(shape, **change)).kernel == "mma", change
+    assert choose(table, h200, **dict(shape, q_dtype=torch.float16)).kernel == "ws_sm90"
+    assert choose(table, h200, **dict(shape, fp8=True)).kernel == "ws_sm90"
+    # in the interpreter, or on a Triton the Gluon kernel was not run with: the portable kernel
+    from dsv4lab.kernels.device import gluon_unsupported, interpreting
+    if gluon_unsupported() is not None or interpreting():
+        assert choose(table, h200, **dict(shape, offline=False)).kernel == "mma"
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_plans_come_from_the_device(cap):
+    """A plan for each size class and cache on each GPU, from its DeviceProps alone (no
+    device, no timing): the H200's measured entries on sm_90, the portable ones elsewhere;
+    split-KV for the SMs the part has; cached."""
+    from dsv4lab.kernels.attention import dispatch
+    from dsv4lab.kernels.device import DeviceProps
+    p = DeviceProps.nominal(cap)
+    for fp8 in (False, True):
+        for B, S_q in ((1, 1), (8, 1), (4, 4), (64, 1), (128, 2)):
+            pl = dispatch.plan(p, B=B, S_q=S_q, topk=640, fp8=fp8, offline=True, **V4)
+            assert pl is dispatch.plan(p, B=B, S_q=S_q, topk=640, fp8=fp8, offline=True, **V4)
+            assert pl.splits >= 1 and pl.splits * pl.split_rows >= 640
+            if pl.kernel == "ws_sm90":
+                assert cap == (9, 0) and B * S_q > 16
+                assert pl.lazy == (fp8 and B * S_q > 64) and pl.evict_kv == (S_q == 1)
+                continue
+            tuned = dispatch.TUNED.get(cap, {}).get(("fp8" if fp8 else "bf16",
+                                                     dispatch.size_class(B * S_q)))
+            want = tuned or dispatch.portable_config(p, B * S_q, 512, fp8)
+            assert pl.config == want._replace(evict_kv=want.evict_kv and S_q == 1)
+            if B * S_q <= 2:
+                assert pl.splits > 1            # one or two queries: split to fill the SMs
+
+
+def test_h200_entries_are_the_measured_defaults():
+    """The H200 table's Triton entries (the ws_sm90 route takes 17+ query rows there)."""
+    from dsv4lab.kernels.attention.dispatch import TUNED
+    from dsv4lab.kernels.attention.mma import Config
+    assert TUNED[(9, 0)] == {
+        ("bf16", "tiny"): Config(64, 4, 2, 16, pdl=True),
+        ("bf16", "small"): Config(64, 8, 2, 64, evict_kv=True),
+        ("fp8", "tiny"): Config(32, 4, 2, 16, pdl=True, evict_kv=True),
+        ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, split_qk=True, evict_kv=True)}
+
+
+def test_offline_cases_cover_every_size_class(monkeypatch):
+    """offline_cases lists, for every GPU, the Triton launches of every size class and both
+    caches with their combines, and on sm_90 the warp-specialised launches too (CPU: the list
+    only; tests/test_portability.py compiles them)."""
+    from dsv4lab.kernels.attention import dispatch
+    from dsv4lab.kernels.device import CAPABILITIES, DeviceProps
+    for cap in CAPABILITIES:
+        cases = dispatch.offline_cases(DeviceProps.nominal(cap))
+        names = [c.name for c in cases]
+        for kv in ("bf16", "fp8"):
+            for size in ("tiny", "small", "mid", "large"):
+                assert any(n.startswith(f"mma {kv}:") and f"{size} B" in n for n in names), \
+                    (cap, kv, size)
+                assert any(n.startswith(f"ws_sm90 {kv}") and f"{size} B" in n for n in names) == \
+                    (cap == (9, 0) and size in ("mid", "large")), (cap, kv, size)
+            assert any(n.startswith("combine:") and f"{kv} B1 S1" in n for n in names)
+        assert len(set(names)) == len(names)
+
+
+# ---- Bad inputs: a ValueError naming the argument, before any kernel ----
 
 def _good():
     return make_case(1, 2, 16, 32, 10, 4, dtype=torch.bfloat16, device="cpu")
@@ -320,15 +434,17 @@ def _good():
     (lambda q, kv, i: (q, kv.view(5, 2, 32)[:, :, None].expand(5, 2, 2, 32), i), "kv must have shape"),
     (lambda q, kv, i: (q, kv, i.long()), "indices must be int32"),
     (lambda q, kv, i: (q, kv, i[:, :1]), r"indices must have shape \[B, S_q, topk\]"),
-    (lambda q, kv, i: (q, kv, i.masked_fill(i == i[0, 0, 0], 10)), r"indices must be -1 \(empty\) or in \[0, N = 10\)"),
-    (lambda q, kv, i: (q, kv, i.masked_fill(i == i[0, 0, 0], -2)), "indices must be -1"),
+    (lambda q, kv, i: (q, kv, i.masked_fill(i == i[0, 0, 0], 10)),
+     r"indices must be -1 \(empty\) or in \[0, N = 10\).*found 10"),
+    (lambda q, kv, i: (q, kv, i.masked_fill(i == i[0, 0, 0], -2)), "indices must be -1.*found -2"),
     (lambda q, kv, i: (q, torch.zeros(10, 584, dtype=torch.uint8), i), "FP8 KV cache holds 512-dim rows"),
 ])
-def test_bad_inputs(mutate, match):
+@pytest.mark.parametrize("backend", ["torch", "mma"])
+def test_bad_inputs(mutate, match, backend):
     q, kv, idx, _ = _good()
     q, kv, idx = mutate(q, kv, idx)
     with pytest.raises(ValueError, match=match):
-        sparse_mla_decode(q, kv, idx, d_v=32, backend="torch")
+        sparse_mla_decode(q, kv, idx, d_v=32, backend=backend)
 
 
 def test_bad_keywords():
@@ -339,33 +455,65 @@ def test_bad_keywords():
         sparse_mla_decode(q, kv, idx, d_v=32, softmax_scale=-1.0)
     with pytest.raises(ValueError, match="attn_sink"):
         sparse_mla_decode(q, kv, idx, d_v=32, attn_sink=torch.zeros(8))
+    with pytest.raises(ValueError, match="validate"):
+        sparse_mla_decode(q, kv, idx, d_v=32, validate="yes")
 
 
 def test_paged_index_range_counts_pages():
     q, kv, idx, _ = make_case(1, 1, 16, 32, 12, 4, paged=(4, True), device="cpu")
     assert kv.shape == (3, 4, 1, 32)
     idx[0, 0, 0] = 12
-    with pytest.raises(ValueError, match="indices"):
+    with pytest.raises(ValueError, match="indices.*pages"):
         sparse_mla_decode(q, kv, idx, d_v=32, backend="torch")
     idx[0, 0, 0] = 11
     sparse_mla_decode(q, kv, idx, d_v=32, backend="torch")
 
 
-def test_check_indices_can_be_turned_off():
-    q, kv, idx, _ = _good()
+def _host_syncs(fn):
+    """How many times ``fn`` reads a tensor's value on the host (tolist, item, bool)."""
     calls = []
-    orig = torch.Tensor.any
+    saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "item", "__bool__")}
     try:
-        torch.Tensor.any = lambda self, *a, **k: calls.append(1) or orig(self, *a, **k)
-        sparse_mla_decode(q, kv, idx, d_v=32, backend="torch", check_indices=False)
-        assert not calls
-        sparse_mla_decode(q, kv, idx, d_v=32, backend="torch", check_indices=True)
-        assert calls
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, lambda self, *a, f=f, **k: calls.append(1) or f(self, *a, **k))
+        fn()
     finally:
-        torch.Tensor.any = orig
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+    return len(calls)
 
 
-def test_backend_unavailable():
+def test_value_checks_cost_one_sync_and_can_be_turned_off():
+    q, kv, idx, _ = _good()
+    fq, fkv, fidx, _ = make_case(1, 1, 16, 512, 10, 4, fp8=True, device="cpu")
+    for args in ((q, kv, idx), (fq, fkv, fidx)):
+        fp8 = args[1].dtype == torch.uint8
+        d_v = 512 if fp8 else 32
+        # the torch reference itself reads nothing for bf16 (the FP8 unpack refuses byte 255)
+        base = _host_syncs(lambda: sparse_mla_decode(*args, d_v=d_v, backend="torch",
+                                                     validate=False))
+        assert base == (1 if fp8 else 0)
+        assert _host_syncs(lambda: sparse_mla_decode(*args, d_v=d_v, backend="torch")) == base + 1
+
+
+def test_fp8_scale_byte_255_is_refused_like_the_reference():
+    """A ue8m0 scale byte 255 (NaN) in a selected row: the kernels' eager path refuses it with
+    validate (the reference's message), a row nothing selects is not read."""
+    q, kv, idx, snk = make_case(1, 2, 16, 512, 10, 4, fp8=True, sink=True)
+    idx[:] = torch.tensor([1, 2, -1, 2], dtype=torch.int32)
+    kv[7, 578] = 255                        # not selected: fine
+    sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="mma")
+    kv[2, 580] = 255
+    for backend in ("mma", "torch"):
+        with pytest.raises(ValueError, match=r"kv has a scale byte of 255 \(ue8m0 NaN\) in row 2"):
+            sparse_mla_decode(q, kv, idx, attn_sink=snk, backend=backend)
+    with pytest.raises(ValueError, match=r"scale byte of 255 \(ue8m0 NaN\)"):
+        sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch", validate=False)
+
+
+def test_backend_unavailable_and_auto():
+    assert backends.resolve("sparse_mla_decode", "auto", fmt="dense").name == "mma"
+    assert backends.resolve("sparse_mla_decode", "auto", fmt="fp8").name == "mma"
     q, kv, idx, _ = _good()
     with pytest.raises(BackendUnavailable, match="unknown backend"):
         sparse_mla_decode(q, kv, idx, d_v=32, backend="cutlass")
@@ -388,24 +536,64 @@ def test_kernels_reject_noncontiguous_cache():
     assert torch.isfinite(out.float()).all()
 
 
-# ----------------------------------------------------------------------------------------
-# GPU: the real shapes
-# ----------------------------------------------------------------------------------------
+# ---- GPU: the real shapes, every route and H200 entry ----
+
+GPU = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def _plan_of(q, kv, idx, fp8):
+    from dsv4lab.kernels.attention import dispatch
+    from dsv4lab.kernels.device import props
+    B, S, H, D = q.shape
+    return dispatch.plan(props(q.device), B=B, S_q=S, H=H, D=D, d_v=512, topk=idx.shape[-1],
+                         q_dtype=q.dtype, fp8=fp8, aligned=True)
+
+
+def _ws_runs_here():
+    if not ON_GPU:
+        return False
+    from dsv4lab.kernels.attention import dispatch
+    from dsv4lab.kernels.device import props
+    shape = dict(rows=64, heads=64, dim=512, d_v=512, q_dtype=torch.bfloat16, fp8=False,
+                 aligned=True)
+    return dispatch.TABLES["sparse_mla_decode"][0].runs_on(props(DEV)) and \
+        dispatch._ws_applies(props(DEV), **shape)
+
+
+WS_GPU = pytest.mark.skipif(not _ws_runs_here(), reason="needs the H200 (sm_90) with Triton 3.6")
+
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (8, 2, 2048), (64, 1, 2048), (128, 2, 2048),
-                                        (3, 4, 777)])
+@GPU
+@pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (2, 1, 8320), (8, 2, 2048), (3, 4, 777),
+                                        (32, 1, 640), (64, 1, 2048), (128, 2, 2048),
+                                        (72, 1, 1152)])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("sink", [False, True])
-def test_gpu_mma_real_shapes(B, S, topk, fp8, sink):
+def test_gpu_real_shapes(B, S, topk, fp8, sink):
+    """The op at V4's shapes, every size class (on the H200: the tuned Triton entries for up to
+    16 query rows, the ws_sm90 kernel above, FP8 large with its lazy rescale), -1 slots,
+    duplicates, an all -1 query, topk not a multiple of any tile."""
     q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=sink,
                                 seed=B * 10 + S, empty_rows=[(0, 0)], device="cuda")
     check_against_reference(q, kv, idx, snk, "mma", d_v=512)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@WS_GPU
+def test_gpu_h200_plans():
+    """On the H200 the plan of each size class is the measured default."""
+    for fp8 in (False, True):
+        for B, S, kernel in ((1, 1, "mma"), (8, 2, "mma"), (17, 1, "ws_sm90"), (64, 1, "ws_sm90"),
+                             (128, 2, "ws_sm90")):
+            q, kv, idx, _ = make_case(B, S, 64, 512, 4096, 640, fp8=fp8, device="cuda")
+            pl = _plan_of(q, kv, idx, fp8)
+            assert pl.kernel == kernel and pl.lazy == (fp8 and B * S > 64)
+            assert pl.evict_kv == (S == 1 and (kernel == "ws_sm90" or fp8 or B * S > 2))
+
+
+@pytest.mark.gpu
+@GPU
 @pytest.mark.parametrize("H", [16, 32, 128])
 def test_gpu_mma_head_counts(H):
     q, kv, idx, snk = make_case(4, 3, H, 512, 4096, 1000, sink=True, device="cuda")
@@ -413,7 +601,7 @@ def test_gpu_mma_head_counts(H):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@GPU
 @pytest.mark.parametrize("paged", [(64, True), (64, False)])
 def test_gpu_paged_and_fp32(paged):
     q, kv, idx, snk = make_case(2, 2, 64, 512, 4096, 300, paged=paged, device="cuda")
@@ -425,20 +613,22 @@ def test_gpu_paged_and_fp32(paged):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@GPU
 @pytest.mark.parametrize("backend, fp8", [("mma", False), ("mma", True), ("simt", False)])
-def test_gpu_ratio128_long_lists(backend, fp8):
-    """A ratio-128 layer's list: a 128-slot window, then the entries seen so far, then
-    -1 up to the max-context length (8192 entries): the -1 tail is trimmed, same answer."""
-    q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, fp8=fp8, sink=True,
+@pytest.mark.parametrize("B", [3, 24])
+def test_gpu_ratio128_long_lists(backend, fp8, B):
+    """A ratio-128 layer's list: a 128-slot window, then the entries seen so far, then -1 up
+    to the max-context length (8192 entries): the -1 tail is trimmed, same answer (B 24: the
+    ws_sm90 kernel on the H200)."""
+    q, kv, idx, snk = make_case(B, 1, 64, 512, 16384, 128 + 8192, fp8=fp8, sink=True,
                                 empty_frac=0.0, seed=5, device="cuda")
-    for b, n in enumerate([128 + 1, 128 + 700, 128 + 8192]):   # last: no -1 at all
-        idx[b, :, n:] = -1
+    for b in range(B):
+        idx[b, :, [128 + 1, 128 + 700, 128 + 8192][b % 3]:] = -1   # the last: no -1 at all
     check_against_reference(q, kv, idx, snk, backend, d_v=512)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@GPU
 @pytest.mark.parametrize("B, S", [(1, 1), (8, 2)])
 def test_gpu_simt_real_shapes(B, S):
     q, kv, idx, snk = make_case(B, S, 64, 512, 8192, 2048, sink=True, device="cuda")
@@ -446,357 +636,84 @@ def test_gpu_simt_real_shapes(B, S):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@GPU
 @pytest.mark.parametrize("fp8", [False, True])
-def test_gpu_cuda_graph_capture(fp8):
-    """Capture-safe: no host sync inside (the index check is skipped while capturing)."""
-    q, kv, idx, snk = make_case(1, 1, 64, 512, 4096, 640, fp8=fp8, sink=True, device="cuda")
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
-    sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="mma")   # warm-up: compile + tune
+@pytest.mark.parametrize("B, S", [(1, 1), (4, 2), (32, 1), (72, 2)])
+def test_gpu_cuda_graph_capture(fp8, B, S):
+    """Capture-safe: no host sync inside (the value checks are skipped while capturing); the
+    replay with new inputs in the same buffers matches the reference (with split-KV: the
+    combine's programmatic dependency captured as a graph edge)."""
+    q, kv, idx, snk = make_case(B, S, 64, 512, 4096, 640, fp8=fp8, sink=True, device="cuda")
+    sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="mma")   # warm-up: compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="mma")
     q.copy_(torch.randn_like(q))                  # new inputs, same buffers
+    idx.copy_(torch.randint_like(idx, -1, 4096))
     ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
+    assert_matches_reference(q, out, lse, ref, ref_lse)
 
 
-# ----------------------------------------------------------------------------------------
-# Named kernel variants (kernels/sparse_mla_mma.py VARIANTS, e.g. PREFETCH)
-# ----------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("pipe", ["prefetch", "pipe_gather"])
-@pytest.mark.parametrize("fp8, fp8_hw", [(False, None), (True, True), (True, False)])
-@pytest.mark.parametrize("lazy, splits", [(False, 0), (True, 3)])
-def test_mma_prefetch_matches_reference(pipe, fp8, fp8_hw, lazy, splits):
-    """PREFETCH (next tile's rows loaded before this tile's math) and PIPE_GATHER (next
-    tile's indices carried by the loop): same answer as the reference with -1 slots, a
-    query with only -1, a -1 tail (trimmed), topk not a multiple of the tile, splits and
-    the lazy rescale; bf16 tolerance."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
-    D = 512 if fp8 else 64
-    q, kv, idx, snk = make_case(2, 2, 16, D, 90, 75, fp8=fp8, sink=True, empty_rows=[(0, 1)],
-                                seed=11 + splits)
-    idx[1, 0, 40:] = -1
-    cfg = Config(16, 4, 1, 16, lazy, splits, fp8_hw, prefetch=pipe == "prefetch",
-                 pipe_gather=pipe == "pipe_gather")
-    out, lse = sparse_mla_mma(q, kv.reshape(-1, kv.shape[-1]), idx, snk.float(), D ** -0.5, D,
-                              fp8=fp8, config=cfg)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=D, attn_sink=snk, backend="torch")
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_mma_part16_partials(dtype):
-    """Config.part16: split partials stored in q's dtype (fp32 q keeps fp32) give the
-    reference's answer at q's tolerance, with -1 slots, an empty query and an empty split,
-    and differ from the fp32 partials by at most one rounding of a partial plus the output's
-    (a bf16/fp16 ulp of |out| <= max|V|, twice, taken as 2 * 2^-7 * max|V| for bf16)."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
-    q, kv, idx, snk = make_case(2, 2, 16, 64, 90, 75, dtype=dtype, sink=True,
-                                empty_rows=[(0, 1)], seed=21)
-    idx[1, 0, :40] = -1                          # the first split of this query is empty
-    cfg = Config(16, 4, 1, 16, False, 3)
-    args = (q, kv.reshape(-1, kv.shape[-1]), idx, snk.float(), 64 ** -0.5, 64)
-    out16, lse16 = sparse_mla_mma(*args, config=cfg._replace(part16=True, pdl=True))
-    out32, lse32 = sparse_mla_mma(*args, config=cfg)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=64, attn_sink=snk, backend="torch")
-    torch.testing.assert_close(out16.float(), ref.float(), **TOL[dtype])
-    torch.testing.assert_close(lse16, ref_lse, atol=LSE_TOL[dtype], rtol=0)
-    ulp = 0.0 if dtype == torch.float32 else 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
-    bound = 2 * ulp * kv.float().abs().max().item()
-    assert (out16.float() - out32.float()).abs().max().item() <= bound
-    assert torch.equal(lse16, lse32)             # the lse path is fp32 either way
-    if dtype == torch.float32:
-        assert torch.equal(out16, out32)
-
-
-def test_named_variants_through_the_op():
-    """Every name in VARIANTS runs through sparse_mla_decode_with_config (the bench's entry)
-    and matches the reference; an unknown name is a ValueError."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    q, kv, idx, snk = make_case(1, 2, 16, 64, 70, 50, sink=True, seed=4)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=64, attn_sink=snk, backend="torch")
-    assert mma_variants()
-    for name in mma_variants():
-        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=name, d_v=64, attn_sink=snk)
-        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-        torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
-    with pytest.raises(ValueError, match="config"):
-        sparse_mla_decode_with_config(q, kv, idx, config="no_such_variant", d_v=64)
-
-
-def _variant_names():
-    from dsv4lab.ops.attention import mma_variants
-    return sorted(mma_variants())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant", _variant_names())
-@pytest.mark.parametrize("B, S, fp8", [(64, 1, False), (8, 2, True), (3, 4, False)])
-def test_gpu_mma_variants(variant, B, S, fp8):
-    """Each named variant at real shapes (B 64 splits, B 8 / 3 x 4 too), bf16 and FP8."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    if not fp8 and mma_variants()[variant].fp8_fast:
-        # an FP8 KV configuration (fp8_fast has no effect on bf16 KV, and fp8fast_*_n64_s3's
-        # three 64-row stages fit in shared memory only as FP8 bytes): FP8 cases only
-        pytest.skip("fp8_fast variants are FP8 KV configurations")
-    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, 2048 if B > 3 else 777, fp8=fp8,
-                                sink=True, seed=B + S, empty_rows=[(0, 0)], device="cuda")
-    idx[-1, -1, 1000:] = -1
-    if fp8 and mma_variants()[variant].kq_t:
-        with pytest.raises(ValueError, match="kq_t"):      # KQ_T is bf16/fp16 KV only
-            sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
-        return
-    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=variant, d_v=512, attn_sink=snk)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
-
-
-def _unsplit_variant_cases():
-    """The benchmark's variant rows (variant, FP8 KV?): timed unsplit at (B 128, S_q 2)."""
-    from dsv4lab.benchmarks.sparse_mla import VARIANT_ROWS
-    return [(name, kv == "fp8") for name, kv in VARIANT_ROWS]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant, fp8", _unsplit_variant_cases())
-def test_gpu_mma_variants_unsplit(variant, fp8):
-    """The benchmark's variant rows without split-KV, in their KV format (the (B 128, S_q 2)
-    target shape runs unsplit; B 26 x S_q 4 here): -1 slots, an all -1 query, a -1 tail."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    q, kv, idx, snk = make_case(26, 4, 64, 512, 8192, 2048, fp8=fp8, sink=True, seed=7,
-                                empty_rows=[(0, 0)], device="cuda")
-    idx[-1, -1, 1000:] = -1
-    cfg = mma_variants()[variant]._replace(splits=1)            # never split
-    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
-
-
-@pytest.mark.parametrize("loop", ["plain", "prefetch", "pipe_gather"])
-@pytest.mark.parametrize("lazy, splits", [(False, 0), (True, 3)])
-def test_mma_fp8_fast_matches_reference(loop, lazy, splits):
-    """FP8_FAST (scales read as one 8-byte word a row, dequant in fp32) in each loop: the
-    groups of a row get different scales (each 64-value group multiplied by its own power
-    of two from 2^-20 to 2^4 before packing), so a wrong byte of the scale word shows;
-    -1 slots, an all -1 query, a -1 tail, topk not a multiple of the tile; bf16 tolerance
-    (the reference dequantises the same packed cache)."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
-    from dsv4lab.quant import unpack_kv_fp8
-    g = torch.Generator().manual_seed(5 + splits)
-    N, D = 90, 512
-    kv = torch.randn(N, D, generator=g)
-    e = torch.randint(-20, 5, (N, 8), generator=g).float()
-    kv = (kv.view(N, 8, 64) * torch.exp2(e)[:, :, None]).view(N, D)
-    packed = pack_kv_fp8(kv)
-    assert len(set(packed[:, 576:583].flatten().tolist())) > 20     # scales really vary
-    q, _, idx, snk = make_case(2, 2, 16, D, N, 75, sink=True, empty_rows=[(0, 1)],
-                               seed=21 + splits)
-    idx[1, 0, 40:] = -1
-    packed = packed.to(q.device)
-    cfg = Config(16, 4, 1, 16, lazy, splits, True, prefetch=loop == "prefetch",
-                 pipe_gather=loop == "pipe_gather", fp8_fast=True)
-    out, lse = sparse_mla_mma(q, packed, idx, snk.float(), D ** -0.5, D, fp8=True, config=cfg)
-    ref, ref_lse = sparse_mla_decode(q, packed, idx, d_v=D, attn_sink=snk, backend="torch")
-    # the values span 2^-20..2^7: compare relative to each query's output scale; lse (up
-    # to a few hundred here) to the bf16 tolerance plus fp32 rounding of its size
-    big = ref.float().abs().amax(-1, keepdim=True).clamp(min=1e-30)
-    torch.testing.assert_close(out.float() / big, ref.float() / big, **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=1e-5)
-    # the scale word really carries per-group scales: dequantised groups differ in size
-    deq = unpack_kv_fp8(packed.cpu()).view(N, 8, 64)[:, :7].abs().amax(-1)
-    assert (deq.amax(-1) / deq.amin(-1).clamp(min=1e-30)).median() > 100
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("splits, d_v", [(0, 64), (3, 64), (0, 48)])
-def test_mma_kq_t_matches_reference(dtype, splits, d_v):
-    """KQ_T (scores transposed, S^T = K Q^T): -1 slots, an all -1 query, a -1 tail, topk
-    not a multiple of the tile, splits, d_v < D (V masked from the K tile), sink; the
-    dtype's tolerance."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
-    q, kv, idx, snk = make_case(2, 2, 16, 64, 90, 75, dtype=dtype, sink=True,
-                                empty_rows=[(0, 1)], seed=31 + splits + d_v)
-    idx[1, 0, 40:] = -1
-    cfg = Config(16, 4, 1, 16, False, splits, None, kq_t=True)
-    out, lse = sparse_mla_mma(q, kv, idx, snk.float(), 64 ** -0.5, d_v, config=cfg)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=d_v, attn_sink=snk, backend="torch")
-    assert out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[dtype], rtol=0)
-
-
-@pytest.mark.parametrize("loop", ["plain", "pipe_gather"])
-@pytest.mark.parametrize("dtype, splits, d_v, lazy", [(torch.bfloat16, 0, 64, False),
-                                                      (torch.float32, 3, 48, True),
-                                                      ("fp8", 3, 512, False)])
-def test_mma_split_qk_matches_reference(loop, dtype, splits, d_v, lazy):
-    """SPLIT_QK (the softmax in both arms of an always-taken branch, so the scores' dot is
-    split between the warp groups on sm_90): plain and PIPE_GATHER loops, bf16, fp32 with
-    d_v < D and ``lazy`` (ignored by SPLIT_QK), FP8 with FP8_FAST; -1 slots, an all -1
-    query, a -1 tail, topk not a multiple of the tile, splits, sink; the dtype's
-    tolerance (FP8: bf16, the reference dequantises the same packed cache)."""
-    from dsv4lab.kernels.sparse_mla_mma import Config, sparse_mla_mma
-    fp8 = dtype == "fp8"
-    D = 512 if fp8 else 64
-    q, kv, idx, snk = make_case(2, 2, 16, D, 90, 75, dtype=torch.bfloat16 if fp8 else dtype,
-                                fp8=fp8, sink=True, empty_rows=[(0, 1)], seed=41 + splits)
-    idx[1, 0, 40:] = -1
-    cfg = Config(16, 4, 2 if loop == "plain" else 3, 16, lazy, splits, True if fp8 else None,
-                 pipe_gather=loop == "pipe_gather", fp8_fast=fp8, split_qk=True)
-    out, lse = sparse_mla_mma(q, kv, idx, snk.float(), D ** -0.5, d_v, fp8=fp8, config=cfg)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=d_v, attn_sink=snk, backend="torch")
-    tol = torch.bfloat16 if fp8 else dtype
-    assert out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[tol])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[tol], rtol=0)
-
-
-# ----------------------------------------------------------------------------------------
-# The warp-specialised kernel (kernels/sparse_mla_ws.py): sm_90 / sm_100, bf16/fp16 KV
-# ----------------------------------------------------------------------------------------
-
-def _ws_applies():
-    if not ON_GPU:
-        return False
-    from dsv4lab.kernels import sparse_mla_ws
-    q = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16, device="cuda")
-    return sparse_mla_ws.supported(q, torch.empty(4, 512, dtype=torch.bfloat16, device="cuda"),
-                                   False, 512)
-
-
-WS_GPU = pytest.mark.skipif(not _ws_applies(), reason="needs a Hopper/Blackwell datacenter GPU")
-
-
-def test_ws_applies_only_where_it_can():
-    """The warp-specialised kernel takes 16-bit q and cache (or bf16 q and the FP8 cache),
-    64 heads, D = d_v = 512 on a CUDA GPU of capability 9/10; anything else (CPU, fp16 q
-    with FP8, other shapes) stays on the MMA kernel. Its score-swap buffers: two a side while they fit, one at 64-row tiles."""
-    from dsv4lab.kernels import sparse_mla_ws
-    q = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16)
-    kv = torch.empty(8, 512, dtype=torch.bfloat16)
-    assert not sparse_mla_ws.supported(q, kv, False, 512)                 # CPU tensors
-    if ON_GPU:
-        cq, ckv = q.cuda(), kv.cuda()
-        packed = pack_kv_fp8(ckv.float())
-        assert sparse_mla_ws.supported(cq, packed, True, 512) == _ws_applies()
-        assert not sparse_mla_ws.supported(cq.half(), packed, True, 512)    # RoPE is bf16
-        assert not sparse_mla_ws.supported(cq, packed[1:], True, 512)      # 584-byte offset
-        assert not sparse_mla_ws.supported(cq, packed, True, 512, 32, 4, True)     # no room
-        assert not sparse_mla_ws.supported(cq, packed, True, 512, 64, 2, False)
-        assert not sparse_mla_ws.supported(cq[:, :, :32].contiguous(), ckv, False, 512)
-        assert not sparse_mla_ws.supported(cq, ckv, False, 448)
-        assert not sparse_mla_ws.supported(cq.float(), ckv.float(), False, 512)
-    assert sparse_mla_ws.s_bufs(32, 3) == 2 and sparse_mla_ws.s_bufs(64, 2) == 1
-    # the FP8 staging fits beside 32-row tiles in at most three ring buffers (the D split
-    # then swaps its scores through one buffer a side); the sizes the sm_90 compile reports
-    assert sparse_mla_ws.s_bufs(32, 3, staged=True) == 1
-    assert sparse_mla_ws.smem_bytes(32, 3, True, True) == 222992          # + 384 B of barriers
-    assert sparse_mla_ws.smem_bytes(32, 4, True, False) == 218896
-    for n, b, ss in [(32, 3, True), (32, 3, False), (32, 2, True)]:
-        assert sparse_mla_ws.smem_bytes(n, b, ss, True) <= sparse_mla_ws.SMEM_LIMIT
-    for n, b, ss in [(32, 4, True), (64, 2, False), (64, 2, True)]:
-        assert sparse_mla_ws.smem_bytes(n, b, ss, True) > sparse_mla_ws.SMEM_LIMIT
-    # bf16: two 64-row tiles no longer fit beside the output store's scratch (233584 B
-    # compiled): supported() declines them, the dispatcher runs the MMA loop
-    assert sparse_mla_ws.smem_bytes(64, 2, False, False) > sparse_mla_ws.SMEM_LIMIT
-    assert sparse_mla_ws.smem_bytes(32, 4, True, False) <= sparse_mla_ws.SMEM_LIMIT
-    q1 = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="block_n / num_buf"):     # refused before any launch
-        sparse_mla_ws.sparse_mla_ws(q1, torch.zeros(8, 512, dtype=torch.bfloat16),
-                                    torch.zeros(1, 1, 64, dtype=torch.int32), None, 0.04, 1, 64,
-                                    block_n=64, num_buf=2)
-
-
-def test_ws_launch_args_match_the_launcher():
-    """Every keyword the dispatcher hands the warp-specialised launcher is one of its
-    keywords, and every keyword of the launcher but ``scan_n`` (a fixed scan width) comes
-    from the Config (CPU: the signature only, no launch)."""
-    import inspect
-    from dsv4lab.kernels import sparse_mla_ws
-    from dsv4lab.kernels.sparse_mla_mma import VARIANTS, ws_launch_args
-    params = inspect.signature(sparse_mla_ws.sparse_mla_ws).parameters
-    keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    for cfg in VARIANTS.values():
-        assert set(ws_launch_args(cfg)) == keywords - {"scan_n"}
-
-
-def _ws_check(q, kv, idx, snk, variant="ws_n32_b3", splits=None, out_atol_factor=1):
-    """The variant (forced split count) against the reference -> its (out, lse)."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    cfg = mma_variants()[variant]
-    if splits is not None:
-        cfg = cfg._replace(splits=splits)
-    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    return assert_matches_reference(q, out, lse, ref, ref_lse, out_atol_factor)
+def _ws(q, kv, idx, snk, splits=None, scale=None, **kw):
+    """The warp-specialised launcher with the planner's split (or ``splits``)."""
+    from dsv4lab.kernels.attention import mma, ws_sm90
+    from dsv4lab.kernels.device import props
+    B, S, _, D = q.shape
+    topk = idx.shape[-1]
+    plan = mma.plan_splits(B * S, topk, props(q.device).sm_count) if splits is None else \
+        mma.split_rows(splits, topk)
+    return ws_sm90.sparse_mla_ws(q, kv, idx, snk, scale or D ** -0.5, *plan, **kw)
 
 
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (8, 2, 2048), (64, 1, 2048),
                                         (128, 2, 2048), (3, 4, 777), (5, 1, 1), (2, 3, 33)])
+@pytest.mark.parametrize("fp8, lazy", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("sink", [False, True])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_n32_b3_lazy", "ws_ss_n32_b3",
-                                     "ws_ss_n32_b4", "ws_ss_n32_b4_lazy", "ws_ss_n32_b4_psw"])
-def test_gpu_ws_real_shapes(B, S, topk, sink, variant):
-    """Real shapes, -1 slots, duplicates, an all -1 query, topk 1 / 33 / 777 (not a
-    multiple of the 32-row tile), with the planned split-KV."""
-    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, sink=sink, seed=B * 7 + S,
+def test_gpu_ws_shapes(B, S, topk, fp8, lazy, sink):
+    """The warp-specialised kernel called directly at any batch: -1 slots, duplicates, an all
+    -1 query, topk 1 / 33 / 777 (not a multiple of the 32-row tile), the planned split-KV;
+    the FP8 cache eager and lazy."""
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=sink, seed=B * 7 + S,
                                 empty_rows=[(0, 0)], device="cuda")
-    _ws_check(q, kv, idx, snk, variant)
+    out, lse = _ws(q, kv, idx, snk, lazy=lazy)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
+    assert_matches_reference(q, out, lse, ref, ref_lse)
 
 
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl",
-                                     "ws_ss_n32_b4_lazy_p16_pdl", "ws_ss_n32_b4_psw_p16_pdl"])
-def test_gpu_ws_splits_and_fp16(splits, dtype, variant):
-    """Forced split counts (1 = unsplit) and fp16; a -1 tail inside one split."""
-    q, kv, idx, snk = make_case(6, 2, 64, 512, 8192, 1500, dtype=dtype, sink=True, seed=splits,
-                                empty_rows=[(1, 1)], device="cuda")
+@pytest.mark.parametrize("dtype, fp8", [(torch.bfloat16, False), (torch.float16, False),
+                                        (torch.bfloat16, True)])
+def test_gpu_ws_splits_and_fp16(splits, dtype, fp8):
+    """Forced split counts (1 = unsplit) through the op's dispatch, fp16 q and cache; a -1 tail
+    inside one split."""
+    from dsv4lab.kernels.attention import dispatch
+    q, kv, idx, snk = make_case(24, 2, 64, 512, 8192, 1500, dtype=dtype, fp8=fp8, sink=True,
+                                seed=splits, empty_rows=[(1, 1)], device="cuda")
     idx[2, 0, 300:] = -1
-    _ws_check(q, kv, idx, snk, variant, splits=splits)
-
-
-@pytest.mark.gpu
-@WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_lazy",
-                                     "ws_ss_n32_b4_psw"])
-def test_gpu_ws_ratio128_long_lists(variant):
-    """A ratio-128 layer's max-context list (-1 up to 8320 slots): trimmed, same answer."""
-    q, kv, idx, snk = make_case(3, 1, 64, 512, 16384, 128 + 8192, sink=True, empty_frac=0.0,
-                                seed=5, device="cuda")
-    for b, n in enumerate([128 + 1, 128 + 700, 128 + 8192]):
-        idx[b, :, n:] = -1
-    _ws_check(q, kv, idx, snk, variant)
+    assert _plan_of(q, kv, idx, fp8).kernel == "ws_sm90"
+    out, lse = dispatch.sparse_mla_decode(q, kv, idx, snk, 512 ** -0.5, 512, fp8=fp8,
+                                          num_splits=splits)
+    ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
+    assert_matches_reference(q, out, lse, ref, ref_lse)
 
 
 @pytest.mark.gpu
 @WS_GPU
 @pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("variant", ["ws_ss_n32_b4", "ws_ss_n32_b4_lazy", "ws_ss_n32_b4_lazy_p16_pdl",
-                                     "ws_n32_b3_lazy", "ws_ss_n32_b4_psw_p16_pdl"])
-def test_gpu_ws_running_max_moves(splits, variant):
+@pytest.mark.parametrize("fp8, lazy", [(False, False), (True, False), (True, True)])
+def test_gpu_ws_running_max_moves(splits, fp8, lazy):
     """Scores built to move the running max, head by head (softmax_scale 1): a ramp that
-    climbs ~41 (base 2) every 32-row tile (far past the lazy rescale's 2^8 slack; 1843
-    in all, so any missed rescale overflows exp), the same falling (the first tile holds
-    the max), half that climb, none; half the heads add +-40 by tile parity, so each seesaw
-    consumer's peer tiles outscore its own, or the reverse. Slots in row order, a few -1,
-    one whole -1 tile. Eager and lazy, split or not, against the fp32 reference."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
+    climbs ~41 (base 2) every 32-row tile (far past the lazy rescale's 2^8 slack; 1843 in all,
+    so any missed rescale overflows exp), the same falling (the first tile holds the max), half
+    that climb, none; half the heads add +-40 by tile parity, so each consumer's peer tiles
+    outscore its own, or the reverse. Slots in row order, a few -1, one whole -1 tile."""
     B, topk, N = 3, 2048, 4096
     g = torch.Generator().manual_seed(splits)
     row = torch.arange(N, dtype=torch.float32)
@@ -811,11 +728,10 @@ def test_gpu_ws_running_max_moves(splits, variant):
     idx = idx[:, None, :].clone()
     idx[:, :, 5::97] = -1
     idx[1, :, 320:352] = -1                       # a whole tile of -1
-    q, kv, idx = q.to(torch.bfloat16).cuda(), kv.to(torch.bfloat16).cuda(), idx.cuda()
+    q, idx = q.to(torch.bfloat16).cuda(), idx.cuda()
+    kv = pack_kv_fp8(kv.cuda()) if fp8 else kv.to(torch.bfloat16).cuda()
     snk = torch.linspace(-2.0, 2.0, 64, device="cuda")
-    cfg = mma_variants()[variant]._replace(splits=splits)
-    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, softmax_scale=1.0,
-                                             attn_sink=snk)
+    out, lse = _ws(q, kv, idx, snk, splits=splits, scale=1.0, lazy=lazy)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, softmax_scale=1.0, attn_sink=snk,
                                      backend="torch")
     assert torch.isfinite(out.float()).all()
@@ -824,90 +740,13 @@ def test_gpu_ws_running_max_moves(splits, variant):
 
 @pytest.mark.gpu
 @WS_GPU
-@pytest.mark.parametrize("B, S, topk", [(1, 1, 640), (64, 1, 2048), (128, 2, 2048), (3, 4, 777),
-                                        (5, 1, 1), (2, 3, 33)])
-@pytest.mark.parametrize("sink", [False, True])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy",
-                                     "ws_ss_n32_b3_psw"])
-def test_gpu_ws_fp8_real_shapes(B, S, topk, sink, variant):
-    """The FP8 cache (staged raw rows, dequantised by the producer) at real shapes, -1
-    slots, duplicates, an all -1 query, topk not a multiple of the tile; the reference
-    dequantises the same packed rows. Also against the MMA kernel's FP8 path."""
-    from dsv4lab.ops.attention import sparse_mla_decode_with_config
-    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=True, sink=sink, seed=B * 5 + S,
-                                empty_rows=[(0, 0)], device="cuda")
-    out, lse = _ws_check(q, kv, idx, snk, variant)
-    out_mma, lse_mma = sparse_mla_decode_with_config(q, kv, idx, config="fp8fast_sqk_pg_n64_s3",
-                                                     attn_sink=snk)
-    torch.testing.assert_close(out.float(), out_mma.float(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(lse, lse_mma, atol=LSE_TOL[torch.bfloat16], rtol=0)
-
-
-@pytest.mark.gpu
-@WS_GPU
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (64, 1, 2048, None),
-                                                (7, 1, 777, 1), (2, 1, 1500, 5),
-                                                (3, 4, 777, None)])
-def test_gpu_ws_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
-    """The KV gathers under an L2 evict-first policy (``evict_kv``, S_q = 1: the marked
-    kernel's PTX rewritten, kernels/l2_hint.py; S_q > 1 runs unmarked) give the unmarked
-    kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query; and both
-    match the reference."""
-    from dsv4lab.ops.attention import mma_variants
-    _check_evict_kv(mma_variants()["ws_ss_n32_b3" if fp8 else "ws_ss_n32_b4_psw"], fp8, B, S,
-                    topk, splits, seed=B + S)
-
-
-def _check_evict_kv(cfg, fp8, B, S, topk, splits, seed):
-    """``cfg`` (split ``splits`` ways unless None) with and without ``evict_kv``: the same bits,
-    and both the reference's."""
-    from dsv4lab.ops.attention import sparse_mla_decode_with_config
-    if splits is not None:
-        cfg = cfg._replace(splits=splits)
-    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=seed,
-                                empty_rows=[(0, 0)], device="cuda")
-    plain = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
-    out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg._replace(evict_kv=True),
-                                             d_v=512, attn_sink=snk)
-    assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    assert_matches_reference(q, out, lse, ref, ref_lse)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("variant, fp8", [("sqk_n64", False), ("sqk_pg_n32_s3", False),
-                                          ("fp8fast_sqk_pg_n64_s3", True), ("fp8fast_n64", True),
-                                          ("table:small", False), ("table:tiny", False),
-                                          ("table:tiny", True)])
-@pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (8, 1, 2048, None),
-                                                (7, 1, 777, 1), (2, 3, 300, None)])
-def test_gpu_mma_evict_kv_changes_no_bits(variant, fp8, B, S, topk, splits):
-    """The Triton MMA kernel's row gathers under an L2 evict-first policy (``evict_kv`` at
-    S_q = 1: its pipelined, predicated cp.async rewritten, kernels/l2_hint.py) give the
-    unmarked kernel's bits, bf16 and FP8, split and unsplit, -1 slots and an all -1 query.
-    ``table:<class>``: the H200 table's entry of that class (bf16 tiny: a launch whose hinted
-    build ptxas got wrong, so l2_hint builds it unhinted)."""
-    from dsv4lab.kernels.sparse_mla_mma import DEVICE_TABLE
-    from dsv4lab.ops.attention import mma_variants
-    if variant.startswith("table:"):
-        entry = DEVICE_TABLE["NVIDIA H200"][("fp8" if fp8 else "bf16", variant[6:])]
-        cfg = entry._replace(evict_kv=False)
-    else:
-        cfg = mma_variants()[variant]
-    _check_evict_kv(cfg, fp8, B, S, topk, splits, seed=B * 3 + S)
-
-
-@pytest.mark.gpu
-@WS_GPU
 @pytest.mark.parametrize("splits", [1, 2, 5])
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b3", "ws_ss_n32_b3_lazy"])
-def test_gpu_ws_fp8_splits_and_extremes(splits, variant):
-    """Forced split counts; rows whose groups get scales from 2^-20 to 2^4 (a wrong byte of
-    the scale word shows), e4m3 subnormals, an all-zero group, a -1 tail inside one split."""
-    q, kv, idx, snk = make_case(6, 2, 64, 512, 4096, 1500, sink=True, seed=splits, empty_rows=[(1, 1)],
-                                device="cuda")
+@pytest.mark.parametrize("lazy", [False, True])
+def test_gpu_ws_fp8_extremes(splits, lazy):
+    """Rows whose groups get scales from 2^-20 to 2^4 (a wrong byte of the scale word shows),
+    e4m3 subnormals, an all-zero group, a -1 tail inside one split."""
+    q, _, idx, snk = make_case(6, 2, 64, 512, 4096, 1500, sink=True, seed=splits,
+                               empty_rows=[(1, 1)], device="cuda")
     g = torch.Generator(device="cuda").manual_seed(splits)
     spread = torch.randn(4096, 512, generator=g, device="cuda")
     spread[:, :448] *= torch.exp2(torch.randint(-20, 5, (4096, 7), generator=g, device="cuda")
@@ -916,157 +755,37 @@ def test_gpu_ws_fp8_splits_and_extremes(splits, variant):
     spread[1::5, :32] *= 1e-3            # half a group far below its amax: e4m3 subnormals
     kv = pack_kv_fp8(spread)
     idx[2, 0, 300:] = -1
-    # P enters P V as bf16 (8 bits) whatever V's scale: the absolute error of an output grows
-    # with |V|, here up to 2^4 x N(0, 1) values, so the bf16 atol is taken 4x (measured on the
-    # H200: at most 0.055 on 1 of 393,216 outputs against 0.02; a wrong scale byte errs by
-    # whole units of V)
-    _ws_check(q, kv, idx, snk, variant, splits=splits, out_atol_factor=4)
-
-
-@pytest.mark.gpu
-@WS_GPU
-def test_gpu_ws_fp8_cuda_graph_and_ring_limit():
-    """FP8 replays from a CUDA graph with new inputs; a fourth ring buffer is refused by name
-    when the kernel is called directly (through the op, such a config runs the MMA loop)."""
-    from dsv4lab.ops.attention import sparse_mla_decode_with_config
-    q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, fp8=True, sink=True, device="cuda")
-    graph, out, lse = _captured(q, kv, idx, snk, "ws_ss_n32_b3")
-    q.copy_(torch.randn_like(q))
-    idx.copy_(torch.randint_like(idx, -1, 4096))
+    out, lse = _ws(q, kv, idx, snk, splits=splits, lazy=lazy)
     ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_matches_reference(q, out, lse, ref, ref_lse)
-    from dsv4lab.kernels import sparse_mla_ws
-    with pytest.raises(ValueError, match="block_n / num_buf"):      # called directly: refused
-        sparse_mla_ws.sparse_mla_ws(q, kv, idx, snk, 0.04, 1, 640, num_buf=4, seesaw=True)
-
-
-def _captured(q, kv, idx, snk, config):
-    """One warm-up call, then the call captured in a CUDA graph: (graph, out, lse)."""
-    from dsv4lab.ops.attention import sparse_mla_decode_with_config
-    sparse_mla_decode_with_config(q, kv, idx, config=config, attn_sink=snk, check_indices=False)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=config, attn_sink=snk,
-                                                 check_indices=False)
-    return graph, out, lse
+    # P enters P V as bf16 (8 bits) whatever V's scale: an output's absolute error grows with
+    # |V|, here up to 2^4 x N(0, 1) values, so the bf16 atol is taken 4x (a wrong scale byte
+    # errs by whole units of V)
+    assert_matches_reference(q, out, lse, ref, ref_lse, out_atol_factor=4)
 
 
 @pytest.mark.gpu
-@WS_GPU
-@pytest.mark.parametrize("variant", ["ws_n32_b3", "ws_ss_n32_b4", "ws_ss_n32_b4_p16_pdl",
-                                     "ws_ss_n32_b4_lazy_p16_pdl", "ws_ss_n32_b4_psw_p16_pdl"])
-def test_gpu_ws_cuda_graph_capture(variant):
-    """Replays from a CUDA graph with new inputs in the same buffers (with ``pdl``: the
-    combine's programmatic dependency captured as a graph edge)."""
-    q, kv, idx, snk = make_case(4, 2, 64, 512, 4096, 640, sink=True, device="cuda")
-    graph, out, lse = _captured(q, kv, idx, snk, variant)
-    q.copy_(torch.randn_like(q))
-    idx.copy_(torch.randint_like(idx, 0, 4096))
+@GPU
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("B, S, topk, splits", [(1, 1, 640, None), (8, 1, 2048, None),
+                                                (64, 1, 2048, None), (7, 1, 777, 1),
+                                                (2, 1, 1500, 5)])
+def test_gpu_evict_kv_changes_no_bits(fp8, B, S, topk, splits):
+    """The row gathers under the L2 evict-first policy (the marked kernel's PTX rewritten,
+    kernels/attention/l2_hint.py) give the unmarked kernel's bits: the H200 entries of the
+    Triton kernel and the ws_sm90 kernel (where it runs), split and unsplit, -1 slots and an
+    all -1 query; and both match the reference."""
+    from dsv4lab.kernels.attention.dispatch import TUNED
+    q, kv, idx, snk = make_case(B, S, 64, 512, 8192, topk, fp8=fp8, sink=True, seed=B + S,
+                                empty_rows=[(0, 0)], device="cuda")
+    runs = []
+    for size in ("tiny", "small"):
+        cfg = TUNED[(9, 0)][("fp8" if fp8 else "bf16", size)]
+        runs += [lambda e, cfg=cfg: _mma(q, kv, idx, snk, 512, cfg._replace(evict_kv=e), fp8=fp8,
+                                         num_splits=splits)]
+    if _ws_runs_here():
+        runs += [lambda e: _ws(q, kv, idx, snk, splits=splits, evict_kv=e)]
     ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-    torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
-
-
-@pytest.mark.gpu
-@WS_GPU
-@pytest.mark.parametrize("variant", ["ws_ss_n32_b4_merge", "ws_ss_n32_b4_merge_p16"])
-@pytest.mark.parametrize("sink", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_ws_pair_merges_itself(sink, dtype, variant):
-    """Two split-KV ranges merged by the pair itself (kernels/sparse_mla_ws.py, variant
-    ws_ss_n32_b4_merge) against the reference and against the combine kernel, over
-    repeated calls (the counters carry over) and with one range empty, the other empty, or
-    both, for some queries; B 64 / S_q 1 / topk 2048 is where the planner picks two."""
-    from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
-    q, kv, idx, snk = make_case(64, 1, 64, 512, 8192, 2048, dtype=dtype, sink=sink, seed=11,
-                                empty_rows=[(5, 0)], device="cuda")
-    idx[0, 0, 1024:] = -1          # second range empty
-    idx[1, 0, :1024] = -1          # first range empty
-    idx[2, 0, 1000:1100] = -1      # a -1 run across the boundary
-    ref, ref_lse = sparse_mla_decode(q, kv, idx, d_v=512, attn_sink=snk, backend="torch")
-    cfg = mma_variants()[variant]._replace(splits=2)
-    for _ in range(3):
-        out, lse = sparse_mla_decode_with_config(q, kv, idx, config=cfg, d_v=512, attn_sink=snk)
-        assert_matches_reference(q, out, lse, ref, ref_lse)
-    out2, lse2 = sparse_mla_decode_with_config(q, kv, idx, config=cfg._replace(merge_pair=False),
-                                               d_v=512, attn_sink=snk)
-    torch.testing.assert_close(out.float(), out2.float(), atol=2e-2, rtol=0)
-    torch.testing.assert_close(lse, lse2, atol=1e-5, rtol=0)
-
-
-@pytest.mark.gpu
-@WS_GPU
-def test_gpu_ws_pair_merge_cuda_graph():
-    """The self-merging pair replayed from a CUDA graph, several times, with new inputs."""
-    from dsv4lab.ops.attention import mma_variants
-    q, kv, idx, snk = make_case(64, 1, 64, 512, 4096, 1024, sink=True, device="cuda")
-    cfg = mma_variants()["ws_ss_n32_b4_merge"]._replace(splits=2)
-    graph, out, lse = _captured(q, kv, idx, snk, cfg)
-    for seed in range(3):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        q.copy_(torch.randn(q.shape, generator=g, device="cuda").to(q.dtype))
-        idx.copy_(torch.randint(-1, 4096, idx.shape, generator=g, device="cuda", dtype=idx.dtype))
-        ref, ref_lse = sparse_mla_decode(q, kv, idx, attn_sink=snk, backend="torch")
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
-        torch.testing.assert_close(lse, ref_lse, atol=LSE_TOL[torch.bfloat16], rtol=0)
-
-
-def test_timeline_plot_and_off_by_default():
-    """The warp-specialised kernel's timeline: off unless asked for at import (the kernel
-    then compiles as without it), and its figure draws each shape's phases from rows."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from dsv4lab.kernels import sparse_mla_ws
-    from dsv4lab.plots.attention import plot_timeline
-    assert not sparse_mla_ws.TIMELINE
-    with pytest.raises(RuntimeError, match="DSV4LAB_WS_TIMELINE"):
-        sparse_mla_ws.timeline()
-    assert plot_timeline([]).texts                                     # a note, no bars
-    points = {"program start": 0.0, "first tile ready": 5.0, "loop end": 45.0,
-              "epilogue end (consumer 0)": 49.0}
-    rows = [{"shape": "B64 S1 T2048 bf16", "what": f"timeline: {p}", "us": us, "us_max": us + 3.0,
-             "gpu": "H200", "date": "2026-11-30T00:00:00", "commit": "test"} for p, us in points.items()]
-    ax = plot_timeline(rows)
-    spans = sorted((round(b.get_x(), 6), round(b.get_width(), 6)) for b in ax.patches)
-    assert spans == [(0.0, 5.0), (5.0, 40.0), (45.0, 4.0)]
-    (line,) = ax.lines
-    assert list(line.get_xdata()) == [49.0, 52.0]
-
-
-@pytest.mark.gpu
-@WS_GPU
-def test_gpu_timeline_points_in_order():
-    """With DSV4LAB_WS_TIMELINE=1 (a fresh process: the module reads it at import) every
-    program passes its points in order and the output still matches the reference."""
-    import subprocess
-    import sys
-    code = """
-import torch, dsv4lab
-from dsv4lab.kernels import sparse_mla_mma as mma, sparse_mla_ws as ws
-from dsv4lab.ops import sparse_mla_decode
-assert ws.TIMELINE
-g = torch.Generator(device="cuda").manual_seed(0)
-q = torch.randn(64, 1, 64, 512, device="cuda", generator=g).to(torch.bfloat16)
-kv = torch.randn(8192, 512, device="cuda", generator=g).to(torch.bfloat16)
-idx = torch.randint(-1, 8192, (64, 1, 2048), device="cuda", generator=g, dtype=torch.int32)
-out, lse = mma.sparse_mla_mma(q, kv, idx, None, 512 ** -0.5, 512)
-ref, _ = sparse_mla_decode(q, kv, idx, backend="torch")
-assert (out.float() - ref.float()).abs().max().item() < 3e-2
-st = ws.timeline()
-assert st.shape == (128, len(ws.TIMELINE_POINTS)) and bool((st > 0).all())
-assert bool((st[:, 1:4] >= st[:, 0:3]).all())
-for a, b in [(0, 4), (4, 5), (5, 6), (2, 6), (6, 7), (7, 8)]:
-    assert bool((st[:, b] >= st[:, a]).all()), (a, b)
-print("ok")
-"""
-    env = dict(os.environ, DSV4LAB_WS_TIMELINE="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    for run in runs:
+        plain, marked = run(False), run(True)
+        assert torch.equal(plain[0], marked[0]) and torch.equal(plain[1], marked[1])
+        assert_matches_reference(q, *marked, ref, ref_lse)

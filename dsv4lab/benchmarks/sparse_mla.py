@@ -1,15 +1,18 @@
-"""``dsv4lab bench sparse_mla``: sparse MLA decode, MMA vs SIMT vs plain torch, on the roofline.
+"""``dsv4lab bench sparse_mla``: sparse MLA decode at DeepSeek-V4-Flash's shapes, on the roofline.
 
-Full mode (a GPU): the MMA kernel over B in {1, 8, 32, 64, 128} x topk in {640, 2048} x
-S_q in {1, 2, 4} with bf16 and with FP8 KV; the plain torch code a user would write
-("torch_user", bf16 gather-einsum-softmax) and the SIMT kernel at a few points. Every
-call is timed from a CUDA graph; small cases put several calls on rotated inputs into
-one graph (``calls_per_graph``) so the KV rows are not served from L2. Smoke mode: tiny
-shapes (Triton's interpreter on the CPU). Named kernel variants (``VARIANTS`` of
-kernels/sparse_mla_mma.py, e.g. the PREFETCH software pipeline) are timed at the target
-shapes only, as rows with backend "mma_variant", a ``variant`` name and the exact
-``config`` (a separate backend name, so they never shadow the default "mma" rows). Rows carry the roofline of the problem:
+Full mode (a GPU): backend "mma" (the family's dispatch) at the slots one decode query attends
+in each kind of layer (:data:`LAYERS`: CSA 128 window + 512 indexed = 640; HCA 128 + ctx/128,
+1,152 at 128K and 8,320 at 1M; window-only 128), B in {1, 8, 32, 64, 128} x S_q in {1, 2, 3,
+4}, bf16 and FP8 caches, the indices drawn as the model draws them (:func:`decode_indices`);
+DeepSeek-V3.2's topk 2048 (FlashMLA's published shape, rows ``shape="v3.2"``); the SIMT kernel
+and the plain torch a user writes first at notebook 01's points; and where the dispatch picks a
+fast path (the warp-specialised kernel on the H200), the portable kernel at the same shapes too
+(backend "mma_portable": the evidence for the route). Graph rows replay calls from
+a CUDA graph (small cases put several calls on rotated inputs into one graph, so the rows are
+not served from the L2); the headline cases also record the eager call, host included, as a
+notebook makes it (``mode="eager"``, the op's default checks on). Rows carry the roofline:
 bytes = unique KV rows read once + q + out, flops = 2 B S_q H topk (D + d_v).
+Smoke mode: tiny shapes (Triton's interpreter on the CPU).
 
 Explained in notebooks/01_simt_baseline.ipynb and notebooks/02_mma_attention.ipynb.
 """
@@ -20,14 +23,19 @@ import math
 import torch
 
 from dsv4lab import bench, runtime
+from dsv4lab.kernels.attention import dispatch
+from dsv4lab.kernels.device import props
 from dsv4lab.ops import sparse_mla_decode
-from dsv4lab.ops.attention import mma_variants, sparse_mla_decode_with_config
 from dsv4lab.quant import pack_kv_fp8
 from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
 
 H, D, D_V = 64, 512, 512
-CONTEXT = 8192                 # cache rows per sequence: each query picks topk of them
-MIN_CACHE_ROWS = 1 << 18       # >= 256 MB of bf16 cache, so rotated inputs miss L2
+WINDOW = 128                   # the sliding window's slots
+# layer -> (compressed entries a request has, how many of them a query attends: None = all)
+LAYERS = {"window": (0, 0), "csa": (8192, 512), "hca_128k": (1024, None),
+          "hca_1m": (8192, None)}
+V32_TOPK, V32_CONTEXT = 2048, 8192     # DeepSeek-V3.2: topk 2048 of any cached token
+MIN_CACHE_ROWS = 1 << 18       # >= 256 MB of bf16 cache, so rotated inputs miss the L2
 MAX_ROTATE = 32
 
 
@@ -60,167 +68,197 @@ def traffic(B, S_q, topk, *, heads=H, dim=D, d_v=D_V, kv_row_bytes=None, unique_
             "flops": 2.0 * B * S_q * heads * topk * (dim + d_v)}
 
 
-class _Cases:
-    """Caches (bf16 and FP8) and rotated inputs for one batch size."""
+def layer_topk(layer: str, window: int = WINDOW, layers: dict = LAYERS) -> int:
+    """The index-list length of ``layer``: the window plus the compressed entries attended."""
+    entries, pick = layers[layer]
+    return window + (entries if pick is None else pick)
 
-    def __init__(self, B, *, heads, dim, context, min_rows, device, fp8):
-        self.B, self.heads, self.dim, self.context = B, heads, dim, context
-        self.device = device
-        n = max(B * context, min_rows)
-        self.rotate = max(1, min(MAX_ROTATE, n // (B * context)))
-        g = torch.Generator(device=device).manual_seed(B)
-        self.kv = torch.randn(n, dim, device=device, generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+def decode_indices(B, S_q, entries, pick, *, window, base, generator, device):
+    """Cache slots as a decode step attends them: request b's rows start at ``base[b]``, its
+    window (the last ``window`` tokens, shifted by one for each later query position) first,
+    then its compressed entries from ``base[b] + window + S_q``: ``pick`` of them (None: all
+    of them, in order), chosen once a request (a verify step's positions select almost the same
+    entries), sorted; -1 where a request has fewer than ``pick`` -> int32 [B, S_q, topk]."""
+    n = entries if pick is None else pick
+    idx = torch.full((B, S_q, window + n), -1, dtype=torch.int32, device=device)
+    s = torch.arange(S_q, device=device)
+    idx[:, :, :window] = (base[:, None, None] + s[None, :, None]
+                          + torch.arange(window, device=device)[None, None, :]).to(torch.int32)
+    if entries and n:
+        have = min(entries, n)
+        if pick is None:
+            sel = torch.arange(entries, device=device).expand(B, entries)
+        else:
+            sel = torch.rand(B, entries, device=device, generator=generator).argsort(-1)[:, :have]
+            sel = sel.sort(-1).values
+        comp = base[:, None] + window + S_q + sel
+        idx[:, :, window:window + have] = comp[:, None, :].to(torch.int32)
+    return idx
+
+
+class Cache:
+    """A cache (bf16, and packed FP8 where asked) with room for ``rotate`` sets of B requests."""
+
+    def __init__(self, B, region, *, heads, dim, min_rows, fp8, device, seed):
+        self.B, self.heads, self.dim, self.region, self.device = B, heads, dim, region, device
+        n = max(B * region, min_rows)
+        self.rotate = max(1, min(MAX_ROTATE, n // (B * region)))
+        self.g = torch.Generator(device=device).manual_seed(seed)
+        self.kv = torch.randn(n, dim, device=device, generator=self.g).to(torch.bfloat16)
         self.kv_fp8 = pack_kv_fp8(self.kv) if fp8 else None
-        self.sink = torch.randn(heads, device=device, generator=g)
-        self.g = g
+        self.sink = torch.randn(heads, device=device, generator=self.g)
 
-    def inputs(self, S_q, topk, rotate):
-        """``rotate`` sets of (q, indices); set r picks rows in its own region of the cache."""
-        B, ctx = self.B, self.context
+    def sets(self, S_q, make_indices, rotate=None):
+        """``rotate`` sets of (q, indices); set r's requests read their own regions."""
         out = []
-        for r in range(rotate):
-            q = torch.randn(B, S_q, self.heads, self.dim, device=self.device,
+        for r in range(rotate or self.rotate):
+            q = torch.randn(self.B, S_q, self.heads, self.dim, device=self.device,
                             generator=self.g).to(torch.bfloat16)
-            pick = torch.rand(B, S_q, ctx, device=self.device, generator=self.g).argsort(-1)[..., :topk]
-            base = (r * B + torch.arange(B, device=self.device)) * ctx
-            idx = (pick + base[:, None, None]).to(torch.int32).contiguous()
-            out.append((q, idx))
+            base = (r * self.B + torch.arange(self.B, device=self.device)) * self.region
+            out.append((q, make_indices(base, self.g)))
         return out
 
 
-def _row(backend, kv_fmt, B, S_q, topk, heads, dim, d_v, timing, calls, idx, row_bytes):
+def _row(backend, kv_fmt, B, S_q, topk, heads, dim, timing, calls, idx, row_bytes, **labels):
     uniq = int(torch.unique(idx[idx >= 0]).numel())
-    t = traffic(B, S_q, topk, heads=heads, dim=dim, d_v=d_v, kv_row_bytes=row_bytes,
+    t = traffic(B, S_q, topk, heads=heads, dim=dim, d_v=dim, kv_row_bytes=row_bytes,
                 unique_rows=uniq)
     row = {"op": "sparse_mla_decode", "backend": backend, "kv": kv_fmt, "B": B, "S_q": S_q,
-           "topk": topk, "H": heads, "D": dim, "d_v": d_v, "ms": timing["ms"] / calls,
+           "topk": topk, "H": heads, "D": dim, "d_v": dim, **labels, "ms": timing["ms"] / calls,
            "timing": timing["timing"], "calls_per_graph": calls, "unique_rows": uniq}
     if "l2" in timing:
         row["l2"] = timing["l2"]
     return bench.with_roofline(row, bytes_moved=t["needed_bytes"], flops=t["flops"], dtype="bf16")
 
 
-def _time(fn_one, sets, warmup_ms, rep_ms):
-    def fn():
-        for q, idx in sets:
-            fn_one(q, idx)
-    return bench.time_graph(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
-
-
-# (variant, kv format) rows timed at the target shapes; keys of sparse_mla_mma.VARIANTS.
-# Timed on the H200 on 2026-11-29 and dropped from the rows (slower than the default or
-# than fp8fast_pg_n32_s4 at both shapes): prefetch_n32, prefetch_n64, pipe_gather_n32_s3/s4,
-# stages5_n32, fp8fast_n32, fp8fast_prefetch_n32, kqt_n128_s1. fp8fast_n64 and
-# fp8fast_pg_n32_s3/s4 stay as the references for the SPLIT_QK rows (sqk_*).
-VARIANT_ROWS = (("sqk_n64", "bf16"), ("sqk_pg_n32_s3", "bf16"), ("sqk_pg_n32_s4", "bf16"),
-                ("fp8fast_n64", "fp8"), ("fp8fast_pg_n32_s3", "fp8"), ("fp8fast_pg_n32_s4", "fp8"),
-                ("fp8fast_sqk_n64", "fp8"), ("fp8fast_sqk_pg_n32_s3", "fp8"),
-                ("fp8fast_sqk_pg_n32_s4", "fp8"), ("fp8fast_sqk_pg_n64_s3", "fp8"),
-                ("fp8fast_sqk_pg_n32_s4_w16", "fp8"),
-                ("ws_n32_b3", "bf16"), ("ws_n32_b3_lazy", "bf16"),
-                ("ws_ss_n32_b3", "bf16"), ("ws_ss_n32_b4", "bf16"), ("ws_ss_n32_b4_merge", "bf16"),
-                ("ws_ss_n32_b4_p16", "bf16"), ("ws_ss_n32_b4_pdl", "bf16"),
-                ("ws_ss_n32_b4_p16_pdl", "bf16"), ("ws_ss_n32_b4_merge_p16", "bf16"),
-                ("ws_n32_b3", "fp8"), ("ws_ss_n32_b3", "fp8"),
-                ("ws_ss_n32_b4_lazy", "bf16"), ("ws_ss_n32_b4_lazy_p16_pdl", "bf16"),
-                ("ws_ss_n32_b3_lazy", "fp8"), ("ws_ss_n32_b4_psw", "bf16"),
-                ("ws_ss_n32_b3_psw", "fp8"), ("ws_ss_n32_b4_psw_p16_pdl", "bf16"),
-                ("ws_ss_n32_b3_psw_p16_pdl", "fp8"), ("ws_ss_n32_b3_lazy_psw_p16_pdl", "fp8"))
-VARIANT_NAMES = tuple(dict.fromkeys(v for v, _ in VARIANT_ROWS))
-
-
-def plan(smoke: bool) -> dict:
-    """Which (backend, kv, B, S_q, topk) points the benchmark measures."""
+def plan(smoke: bool, headline: bool = False) -> dict:
+    """What the benchmark measures: sizes, and the (B, S_q) points of each kind of row
+    (``headline``: the eager points, the CSA layer and the V3.2 rows there, SIMT and torch)."""
     if smoke:
-        return {"heads": 16, "dim": 64, "context": 64, "min_rows": 0, "warmup_ms": 1, "rep_ms": 1,
-                "variant_rep_ms": 1, "variants": [("sqk_pg_n32_s3", "bf16", 1, 1, 40),
-                                                  ("fp8fast_sqk_n64", "fp8", 1, 1, 24)],
-                "mma": [(1, 1, 40), (2, 2, 40)], "mma_fp8": [(1, 1, 24)],
-                "simt": [(1, 1, 40)], "torch_user": [(1, 1, 40)], "torch": [(1, 1, 40)]}
-    sweep = [(B, S, T) for B in (1, 8, 32, 64, 128) for T in (640, 2048) for S in (1, 2, 4)]
-    return {"heads": H, "dim": D, "context": CONTEXT, "min_rows": MIN_CACHE_ROWS,
-            "warmup_ms": 10, "rep_ms": 40, "variant_rep_ms": 20,
-            "variants": [(v, kv, B, S, T) for v, kv in VARIANT_ROWS
-                         for (B, S, T) in ((64, 1, 2048), (128, 2, 2048))],
-            "mma": sweep, "mma_fp8": sweep,
-            "simt": [(1, 1, 2048), (8, 1, 2048), (64, 1, 2048), (128, 2, 2048)],
-            "torch_user": [(1, 1, 640), (1, 1, 2048), (8, 1, 2048), (64, 1, 2048), (128, 2, 2048)],
-            "torch": []}
+        return dict(heads=16, dim=D, window=8, layers={"csa": (24, 16), "hca_1m": (12, None)},
+                    v32=(40, 64), min_rows=0, warmup_ms=1, rep_ms=1,
+                    grid=[(1, 1), (2, 2)], v32_grid=[(1, 1)], eager=[(1, 1)], v32_eager=[],
+                    simt=[(1, 1)], torch_user=[(1, 1)])
+    if headline:
+        return dict(plan(False), layers={"csa": LAYERS["csa"]}, grid=[(1, 1), (64, 1)],
+                    v32_grid=[(64, 1), (128, 2)])
+    return dict(heads=H, dim=D, window=WINDOW, layers=LAYERS, v32=(V32_TOPK, V32_CONTEXT),
+                min_rows=MIN_CACHE_ROWS, warmup_ms=10, rep_ms=40,
+                grid=[(B, S) for B in (1, 8, 32, 64, 128) for S in (1, 2, 3, 4)],
+                v32_grid=[(B, S) for B in (1, 8, 32, 64, 128) for S in (1, 2)],
+                eager=[(1, 1), (64, 1)], v32_eager=[(64, 1), (128, 2)],
+                simt=[(1, 1), (8, 1), (64, 1)], torch_user=[(1, 1), (8, 1), (64, 1)])
 
 
-@bench.benchmark("sparse_mla", "sparse MLA decode: MMA (bf16, FP8 KV) vs SIMT vs plain torch")
-def sparse_mla_bench(smoke: bool) -> list[dict]:
-    """Run the plan on this device; print one line per row; return the rows."""
+@bench.benchmark("sparse_mla", "sparse MLA decode at V4's shapes: MMA (bf16, FP8 KV), SIMT, torch")
+def sparse_mla_bench(smoke: bool, headline: bool = False) -> list[dict]:
+    """Run the plan on this device (``headline``: its headline cases only); print the headline
+    rows; return every row."""
     if not smoke and not runtime.has_cuda():
         raise RuntimeError("sparse_mla full mode needs a CUDA GPU; use smoke mode on the CPU")
-    p = plan(smoke)
+    p = plan(smoke, headline and not smoke)
     dev = runtime.device()
-    heads, dim = p["heads"], p["dim"]
-    d_v = dim
-    scale = dim ** -0.5
-    fp8_dim = D
+    heads, dim, window = p["heads"], p["dim"], p["window"]
     rows = []
-    print(f"{'backend':>12} {'kv':>4} {'B':>4} {'S_q':>3} {'topk':>5} {'us':>10} {'roof us':>8} {'frac':>6}")
-    jobs = [(name, B, S, T) for name in ("mma", "mma_fp8", "simt", "torch_user", "torch")
-            for (B, S, T) in p[name]]
-    jobs += [(f"var:{v}:{kv}", B, S, T) for (v, kv, B, S, T) in p.get("variants", [])]
-    by_b: dict[tuple, _Cases] = {}
-    is_fp8 = lambda name: name == "mma_fp8" or name.endswith(":fp8")   # noqa: E731
-    for name, B, S, T in sorted(jobs, key=lambda j: (j[1], not is_fp8(j[0]))):
-        fp8 = is_fp8(name)
-        this_dim = fp8_dim if fp8 else dim
-        key = (B, this_dim)
-        if key not in by_b:
-            by_b.clear()            # one batch size's caches at a time
-            if runtime.has_cuda():
-                torch.cuda.empty_cache()
-            need_fp8 = any(is_fp8(j[0]) and j[1] == B for j in jobs) and this_dim == fp8_dim
-            by_b[key] = _Cases(B, heads=heads, dim=this_dim, context=max(p["context"], T),
-                               min_rows=p["min_rows"], device=dev, fp8=need_fp8)
-        c = by_b[key]
-        sets = c.inputs(S, T, c.rotate)
-        variant, rep_ms = None, p["rep_ms"]
-        if name.startswith("var:"):
-            variant, rep_ms = name.split(":")[1], p["variant_rep_ms"]
-            backend = "mma_variant"
-            kv = c.kv_fp8 if fp8 else c.kv
-            fn = (lambda q, idx, kv=kv, dd=this_dim, v=variant: sparse_mla_decode_with_config(
-                q, kv, idx, config=v, d_v=dd, softmax_scale=dd ** -0.5, attn_sink=c.sink,
-                check_indices=False))
-            row_bytes = FP8_ROW_BYTES if fp8 else this_dim * 2
-            kv_fmt = "fp8" if fp8 else "bf16"
-        elif name in ("mma", "mma_fp8", "simt", "torch"):
-            backend = "mma" if name.startswith("mma") else name
-            kv = c.kv_fp8 if fp8 else c.kv
-            fn = (lambda q, idx, kv=kv, backend=backend, dd=this_dim: sparse_mla_decode(
-                q, kv, idx, d_v=dd, softmax_scale=dd ** -0.5, attn_sink=c.sink,
-                backend=backend, check_indices=False))
-            row_bytes = FP8_ROW_BYTES if fp8 else this_dim * 2
-            kv_fmt = "fp8" if fp8 else "bf16"
-        else:   # torch_user
-            backend = "torch_user"
-            fn = (lambda q, idx: torch_user_decode(q, c.kv, idx, scale, d_v, c.sink))
-            row_bytes, kv_fmt = this_dim * 2, "bf16"
-        for q, idx in sets[:1]:
-            fn(q, idx)              # compile, tune, warm up outside the graph
-        timing = _time(fn, sets, p["warmup_ms"], rep_ms)
-        row = _row(backend, kv_fmt, B, S, T, heads, this_dim, this_dim, timing, len(sets),
-                   sets[0][1], row_bytes)
-        if variant is not None:
-            row["variant"], row["config"] = variant, list(mma_variants()[variant])
-        rows.append(row)
-        print(f"{(variant or backend):>12} {kv_fmt:>4} {B:>4} {S:>3} {T:>5} {row['ms'] * 1e3:>10.1f} "
-              f"{row['roofline_ms'] * 1e3:>8.1f} {row['roofline_fraction']:>6.2f}")
+    print(f"{'backend':>10} {'kv':>4} {'shape':>9} {'mode':>5} {'B':>4} {'S_q':>3} {'topk':>5} "
+          f"{'us':>9} {'roof us':>8} {'frac':>5}")
+
+    def measure(cache, S_q, topk, make_indices, labels, *, eager, backends=("mma",),
+                portable=False):
+        sets = cache.sets(S_q, make_indices)
+        B = cache.B
+        for kv_fmt in ("bf16", "fp8") if "mma" in backends else ("bf16",):
+            kv = cache.kv_fp8 if kv_fmt == "fp8" else cache.kv
+            row_bytes = FP8_ROW_BYTES if kv_fmt == "fp8" else dim * 2
+            here = backends if kv_fmt == "bf16" else ("mma",)
+            if portable and "mma" in here and _fast_path(B, S_q, heads, dim, topk,
+                                                         kv_fmt == "fp8"):
+                here = here + ("mma_portable",)  # the evidence for the fast path's route
+            for backend in here:
+                if backend == "torch_user":
+                    one = (lambda q, i: torch_user_decode(q, cache.kv, i, dim ** -0.5, dim,
+                                                          cache.sink))
+                elif backend == "mma_portable":
+                    one = (lambda q, i, kv=kv, fp8=kv_fmt == "fp8", **_: dispatch.sparse_mla_decode(
+                        q, kv, i, cache.sink, dim ** -0.5, dim, fp8=fp8, kernel="mma"))
+                else:
+                    one = (lambda q, i, kv=kv, backend=backend, validate=False: sparse_mla_decode(
+                        q, kv, i, d_v=dim, attn_sink=cache.sink, backend=backend,
+                        validate=validate))
+                q0, i0 = sets[0]
+                one(q0, i0)                      # compile and warm up outside the graph
+
+                def all_sets():
+                    for q, i in sets:
+                        one(q, i)
+                timing = bench.time_graph(all_sets, warmup_ms=p["warmup_ms"], rep_ms=p["rep_ms"])
+                rows.append(_row(backend, kv_fmt, B, S_q, topk, heads, dim, timing, len(sets), i0,
+                                 row_bytes, mode="graph", **labels))
+                if eager and backend == "mma":   # as a notebook calls it: the default checks on
+                    timing = bench.time_fn(lambda: one(q0, i0, validate=True),
+                                           warmup_ms=p["warmup_ms"], rep_ms=p["rep_ms"])
+                    rows.append(_row(backend, kv_fmt, B, S_q, topk, heads, dim, timing, 1, i0,
+                                     row_bytes, mode="eager", **labels))
+
+    for layer, (entries, pick) in p["layers"].items():
+        topk = layer_topk(layer, window, p["layers"])
+        for B in sorted({b for b, _ in p["grid"]}):
+            cache = _fresh(B, window + 3 + entries, heads, dim, p, dev, seed=B)
+            for b, S_q in p["grid"]:
+                if b != B:
+                    continue
+                make = (lambda base, g, S_q=S_q: decode_indices(
+                    B, S_q, entries, pick, window=window, base=base, generator=g, device=dev))
+                measure(cache, S_q, topk, make, dict(layer=layer), portable=layer == "csa",
+                        eager=layer == "csa" and (B, S_q) in p["eager"])
+
+    topk, context = p["v32"]
+    for B in sorted({b for b, _ in p["v32_grid"] + p["simt"]}):
+        cache = _fresh(B, context, heads, dim, p, dev, seed=1000 + B)
+        for b, S_q in sorted(set(p["v32_grid"]) | set(p["simt"])):
+            if b != B:
+                continue
+            make = (lambda base, g, S_q=S_q: (
+                torch.rand(B, S_q, context, device=dev, generator=g).argsort(-1)[..., :topk]
+                + base[:, None, None]).to(torch.int32).contiguous())
+            extra = tuple(n for n in ("simt", "torch_user") if (B, S_q) in p[n])
+            measure(cache, S_q, topk, make, dict(shape="v3.2"), eager=(B, S_q) in p["v32_eager"],
+                    backends=("mma",) * ((B, S_q) in p["v32_grid"]) + extra, portable=True)
+    for r in rows:          # the headline rows: CSA and V3.2 at the eager points, SIMT, torch
+        at = p["eager"] if r.get("layer") == "csa" else p["v32_eager"] if r.get("shape") else []
+        if (r["B"], r["S_q"]) in at or r["backend"] in ("simt", "torch_user"):
+            print(f"{r['backend']:>10} {r['kv']:>4} {r.get('layer', r.get('shape')):>9} "
+                  f"{r['mode']:>5} {r['B']:>4} {r['S_q']:>3} {r['topk']:>5} {r['ms'] * 1e3:>9.1f} "
+                  f"{r['roofline_ms'] * 1e3:>8.1f} {r['roofline_fraction']:>5.2f}")
+    print(f"{len(rows)} rows (the headline ones above)")
     return rows
 
 
+def _fast_path(B, S_q, heads, dim, topk, fp8) -> bool:
+    """Whether the dispatch runs a fast path (not the portable kernel) for this shape here."""
+    if not runtime.has_cuda():
+        return False
+    pl = dispatch.plan(props(runtime.device()), B=B, S_q=S_q, H=heads, D=dim, d_v=dim, topk=topk,
+                       q_dtype=torch.bfloat16, fp8=fp8, aligned=True)
+    return pl.kernel != "mma"
+
+
+def _fresh(B, region, heads, dim, p, dev, seed):
+    """A new cache for one batch size (the previous one freed first)."""
+    if runtime.has_cuda():
+        torch.cuda.empty_cache()
+    return Cache(B, region, heads=heads, dim=dim, min_rows=p["min_rows"], fp8=dim == D,
+                  device=dev, seed=seed)
+
+
 def speedups(rows) -> list[dict]:
-    """The target comparisons from recorded rows: MMA vs torch_user/SIMT, FP8 vs bf16."""
+    """The comparisons from recorded rows (graph replays): MMA vs torch_user and SIMT, FP8 vs
+    bf16, at B 1 / topk 640 and the V3.2 shapes."""
     def ms(backend, kv, B, S, T):
-        for r in rows:
-            if (r["backend"], r["kv"], r["B"], r["S_q"], r["topk"]) == (backend, kv, B, S, T):
-                return r["ms"]
-        return math.nan
+        hits = [r for r in rows if (r["backend"], r["kv"], r["B"], r["S_q"], r["topk"]) ==
+                (backend, kv, B, S, T) and r.get("mode", "graph") == "graph"]
+        return hits[-1]["ms"] if hits else math.nan
     out = []
     for B, S, T in [(1, 1, 640), (64, 1, 2048), (128, 2, 2048)]:
         m = ms("mma", "bf16", B, S, T)

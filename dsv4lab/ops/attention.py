@@ -23,6 +23,7 @@ import math
 import torch
 
 from dsv4lab import backends, runtime
+from dsv4lab.quant import kv_fp8
 from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
 from dsv4lab.quant.kv_fp8 import unpack_kv_fp8
 
@@ -38,21 +39,29 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
                       d_v: int = 512, softmax_scale: float | None = None,
                       attn_sink: torch.Tensor | None = None, backend: str = "auto",
-                      check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA decode attention -> ``(out [B, S_q, H, d_v] in q's dtype, lse [B, S_q, H] fp32)``.
 
     q [B, S_q, H, D]; kv [N, D], paged [P, page, D] or [P, page, 1, D] (flat slot =
     page * page_size + offset) in q's dtype, or the FP8 cache uint8 [N, 584] (or paged,
     D = 512, see :func:`dsv4lab.quant.pack_kv_fp8`); indices int32 [B, S_q, topk] with
-    -1 for empty slots. ``check_indices`` verifies on the device that every index is -1
-    or in [0, N) (one host sync); it is skipped automatically while a CUDA graph is
-    being captured, and can be turned off with ``check_indices=False``.
+    -1 for empty slots.
+
+    Checks. Shapes, dtypes, devices and the keywords: always, on the host (free). Values, with
+    ``validate`` (the default): every index -1 or in [0, N), and with the FP8 cache no scale
+    byte 255 (ue8m0 NaN) in the rows the indices select, checked on the device and read back
+    once (one host sync) before any kernel; skipped while a CUDA graph is being captured.
+    Callers that made the indices and the cache themselves (the engine, the benchmarks' timed
+    calls) pass ``validate=False``.
 
     Explained in notebooks/01_simt_baseline.ipynb and notebooks/02_mma_attention.ipynb.
     """
-    kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink,
-                                       check_indices)
+    kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink)
+    if not isinstance(validate, bool):
+        raise ValueError(f"validate must be True or False, got {validate!r}")
     impl = backends.resolve(OP, backend, fmt="fp8" if fp8 else "dense", device=q.device)
+    if validate and not runtime.is_capturing(q):
+        _check_values(kv, kv_flat, indices, fp8)
     if impl.kind == "triton":
         if not kv.is_contiguous():
             raise ValueError("kv must be contiguous for the Triton backends (a cache allocated "
@@ -62,43 +71,8 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     return impl.fn(q, kv_flat, indices, d_v=d_v, scale=scale, sink=sink, fp8=fp8)
 
 
-def sparse_mla_decode_with_config(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
-                                  config, d_v: int = 512, softmax_scale: float | None = None,
-                                  attn_sink: torch.Tensor | None = None,
-                                  check_indices: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sparse_mla_decode` on the "mma" backend with an explicit launch configuration
-    (a ``Config`` of kernels/sparse_mla_mma.py or one of its ``VARIANTS`` names): for the
-    benchmark's variant rows and tests. Same checks, same result.
-
-    Explained in notebooks/02_mma_attention.ipynb.
-    """
-    from dsv4lab.kernels import sparse_mla_mma
-    if isinstance(config, str):
-        if config not in sparse_mla_mma.VARIANTS:
-            raise ValueError(f"config must be a Config or one of {sorted(sparse_mla_mma.VARIANTS)}, "
-                             f"got {config!r}")
-        config = sparse_mla_mma.VARIANTS[config]
-    kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink,
-                                       check_indices)
-    backends.resolve(OP, "mma", fmt="fp8" if fp8 else "dense", device=q.device)
-    if not kv.is_contiguous():
-        raise ValueError("kv must be contiguous for the Triton backends (a cache allocated "
-                         f"as one tensor is); got strides {tuple(kv.stride())}")
-    return sparse_mla_mma.sparse_mla_mma(q.contiguous(), kv_flat, indices.contiguous(), sink,
-                                         scale, d_v, fp8=fp8, config=config)
-
-
-def mma_variants() -> dict:
-    """The MMA kernel's named launch variants {name: Config} (kernels/sparse_mla_mma.py).
-
-    Explained in notebooks/02_mma_attention.ipynb.
-    """
-    from dsv4lab.kernels import sparse_mla_mma
-    return dict(sparse_mla_mma.VARIANTS)
-
-
-def _check(q, kv, indices, d_v, softmax_scale, attn_sink, check_indices):
-    """All input checks, before any kernel; returns (kv as [N, row], fp8, scale, sink)."""
+def _check(q, kv, indices, d_v, softmax_scale, attn_sink):
+    """The shape, dtype, device and keyword checks; returns (kv as [N, row], fp8, scale, sink)."""
     for name, t in (("q", q), ("kv", kv), ("indices", indices)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -157,13 +131,28 @@ def _check(q, kv, indices, d_v, softmax_scale, attn_sink, check_indices):
         if attn_sink.device != q.device:
             raise ValueError(f"attn_sink must be on q's device ({q.device}), got {attn_sink.device}")
         sink = attn_sink.float().contiguous()
-    if check_indices and not runtime.is_capturing(q):
-        bad = (indices < -1) | (indices >= N)
-        if bool(bad.any()):
-            first = indices[bad][0].item()
-            raise ValueError(f"indices must be -1 (empty) or in [0, N = {N}) (N = kv rows"
-                             f"{' = pages * page_size' if kv.dim() > 2 else ''}); found {first}")
     return kv_flat, fp8, scale, sink
+
+
+def _check_values(kv, kv_flat, indices, fp8):
+    """The value checks of :func:`sparse_mla_decode` (one host sync; a second only to name
+    what is wrong)."""
+    N = kv_flat.shape[0]
+    lo, hi = torch.aminmax(indices)
+    flags = [lo.to(torch.int64), hi.to(torch.int64)]
+    if fp8:
+        rows = indices.reshape(-1).clamp(0, N - 1).long()
+        nan_scale = (kv_flat[:, kv_fp8.SCALES].index_select(0, rows) == kv_fp8.NAN_SCALE).any(-1)
+        nan_scale &= indices.reshape(-1) >= 0
+        flags.append(nan_scale.any().to(torch.int64))
+    flags = torch.stack(flags).tolist()
+    if flags[0] < -1 or flags[1] >= N:
+        raise ValueError(f"indices must be -1 (empty) or in [0, N = {N}) (N = kv rows"
+                         f"{' = pages * page_size' if kv.dim() > 2 else ''}); found "
+                         f"{flags[0] if flags[0] < -1 else flags[1]}")
+    if fp8 and flags[2]:
+        row = int(rows[nan_scale][0])
+        raise ValueError(kv_fp8.nan_scale_message("kv", row))
 
 
 # ----------------------------------------------------------------------------------------
@@ -207,20 +196,21 @@ def sparse_mla_decode_torch(q, kv_flat, indices, *, d_v, scale, sink, fp8):
 
 
 # ----------------------------------------------------------------------------------------
-# The Triton kernels (kernels/sparse_mla_simt.py, kernels/sparse_mla_mma.py)
+# The Triton kernels (dsv4lab.kernels.attention)
 # ----------------------------------------------------------------------------------------
 
 @backends.register(OP, "simt", kind="triton", priority=10, formats=("dense",),
                    min_capability=(8, 0))
 def sparse_mla_decode_simt(q, kv_flat, indices, *, d_v, scale, sink, fp8):
-    """SIMT baseline: one program per (token, head), CUDA-core dot products."""
-    from dsv4lab.kernels import sparse_mla_simt
-    return sparse_mla_simt.sparse_mla_simt(q, kv_flat, indices, sink, scale, d_v)
+    """Lesson 1: one program per (token, head), CUDA-core dot products."""
+    from dsv4lab.kernels.attention import simt
+    return simt.sparse_mla_simt(q, kv_flat, indices, sink, scale, d_v)
 
 
 @backends.register(OP, "mma", kind="triton", priority=20, formats=("dense", "fp8"),
                    min_capability=(8, 0))
 def sparse_mla_decode_mma(q, kv_flat, indices, *, d_v, scale, sink, fp8):
-    """Tensor-core kernel: heads stacked on tl.dot's M side, split-KV, FP8 KV dequant."""
-    from dsv4lab.kernels import sparse_mla_mma
-    return sparse_mla_mma.sparse_mla_mma(q, kv_flat, indices, sink, scale, d_v, fp8=fp8)
+    """The family's dispatch (kernels/attention/dispatch.py): lesson 2's tensor-core kernel,
+    or the warp-specialised sm_90 kernel where its route applies."""
+    from dsv4lab.kernels.attention import dispatch
+    return dispatch.sparse_mla_decode(q, kv_flat, indices, sink, scale, d_v, fp8=fp8)

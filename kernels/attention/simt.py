@@ -1,28 +1,42 @@
-"""Sparse MLA decode, the SIMT baseline: one program per (token, head).
+"""Sparse MLA decode, lesson 1: one program per (query position, head), on the CUDA cores.
 
-The campaign's first kernel. Each program owns one query head of one query position:
-it walks the ``topk`` selected slots in blocks of ``BLOCK_N``, gathers those latent KV
-rows, and does the dot products and the weighted sum with elementwise multiplies and
-reductions on the CUDA cores, keeping an online (running max / running sum) softmax in
-fp32. Nothing is shared between heads, so every selected KV row is fetched once per
-head: with 64 heads that is 64x the bytes the attention actually needs, and the tensor
-cores sit idle. notebooks/01_simt_baseline.ipynb measures what that costs;
-kernels/sparse_mla_mma.py is the fix.
+Each program owns one query head of one query position. It walks that query's ``topk``
+selected cache slots in blocks of ``BLOCK_N``, gathers those latent rows, and computes the dot
+products and the weighted sum with elementwise multiplies and reductions, keeping an online
+softmax (running max, running sum) in fp32. Nothing is shared between heads, so every selected
+row is fetched once per head: with DeepSeek-V4's 64 heads that is 64x the bytes the attention
+needs, and the tensor cores sit idle. notebooks/01_simt_baseline.ipynb measures what that
+costs; lesson 2 (``mma.py``) is the fix.
 
-Conventions shared with the MMA kernel: scores are kept in base 2 (``qk * scale *
-log2(e)`` and ``exp2``), slot -1 contributes nothing, a duplicate slot counts twice, an
-attention sink adds ``exp(sink[h])`` to the denominator only, and ``lse`` is the natural
-log of the denominator (-inf for a row with nothing to attend to and no sink).
+Conventions both lessons share: scores are kept in base 2 (``q.k * scale * log2(e)``, then
+``exp2``); slot -1 adds nothing and a duplicate slot counts twice; an attention sink adds
+``exp(sink[h])`` to the denominator only; ``lse`` is the natural log of the denominator (-inf
+for a row with nothing to attend to and no sink). Both use :func:`trim_tail`, which cuts a
+list's -1 tail so that it costs no tile.
 """
 import torch
 import triton
 import triton.language as tl
 
-# The MMA kernel's tail trim: both kernels skip the -1 tail of max-context index lists.
-from .sparse_mla_mma import _trim_tail
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+@triton.jit
+def trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
+    """One past the last valid (>= 0) slot of ``idx_ptr[start:end]`` (``start`` if none),
+    scanning back from ``end`` ``SCAN_N`` slots at a time. A dense list costs one load; a long
+    list that is mostly a -1 tail (a ratio-128 layer's max-context list) is cut to its valid
+    part, so the main loop never sees the dead tiles."""
+    last = tl.zeros([], tl.int32) + (start - 1)
+    hi = end
+    while (hi > start) & (last < start):
+        offs = hi - SCAN_N + tl.arange(0, SCAN_N)
+        ic = tl.load(idx_ptr + offs, mask=(offs >= start) & (offs < hi), other=-1)
+        last = tl.maximum(last, tl.max(tl.where(ic >= 0, offs, start - 1), axis=0))
+        hi -= SCAN_N
+    return last + 1
 
 
 @triton.jit
@@ -43,7 +57,7 @@ def _sparse_mla_simt_kernel(
     m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)   # running max
     l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)                 # running sum
     acc = tl.zeros([BLOCK_D], tl.float32)
-    end = _trim_tail(idx_ptr + bs.to(tl.int64) * topk, 0, topk, SCAN_N)   # drop a -1 tail
+    end = trim_tail(idx_ptr + bs.to(tl.int64) * topk, 0, topk, SCAN_N)    # drop a -1 tail
     for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + bs.to(tl.int64) * topk + offs_n, mask=offs_n < end, other=-1)

@@ -1,0 +1,273 @@
+"""Sparse MLA decode: which kernel runs where, with which launch configuration.
+
+:data:`TABLES` is the family's dispatch table (first route that applies wins): the
+warp-specialised sm_90 kernel (``ws_sm90.py``) where it was compiled, run and measured to win,
+else lesson 2's portable Triton kernel (``mma.py``), on every GPU and in the interpreter.
+
+The Triton kernel's configuration comes from the device, never from its name: the entries
+measured on the H200 (:data:`TUNED`, keyed by capability) where they apply, else
+:func:`portable_config` by the shared memory a block may have. Either way the first call on a
+GPU launches a configuration that fits, with no timing and no host synchronisation; a plan is
+computed once per (device, shape) and cached (:func:`plan`). tests/test_portability.py
+compiles every launch :func:`offline_cases` lists for sm_80, 89, 90, 100 and 120.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+
+from dsv4lab.kernels.attention.mma import Config, plan_splits, sparse_mla_mma, split_rows
+from dsv4lab.kernels.device import (DeviceProps, Route, choose, gluon_unsupported, interpreting,
+                                    props)
+
+OP = "sparse_mla_decode"
+SM90 = frozenset({(9, 0)})
+
+
+def size_class(rows: int) -> str:
+    """The tuned entries' key for ``rows`` = B x S_q query positions."""
+    return "tiny" if rows <= 2 else "small" if rows <= 16 else "mid" if rows <= 64 else "large"
+
+
+def _ws_applies(p: DeviceProps, *, rows=64, heads=64, dim=512, d_v=512, q_dtype=torch.bfloat16,
+                fp8=False, aligned=True, offline=False, **_) -> bool:
+    """The ws_sm90 route's condition (the defaults: V4 decode at B 64; ``offline``: planning
+    for the GPU ``p`` describes, as on the Triton release the route runs with)."""
+    if not offline and (interpreting() or gluon_unsupported() is not None):
+        return False
+    if not (heads == 64 and dim == d_v == 512 and aligned and rows > 16):
+        return False
+    if q_dtype != torch.bfloat16 and (fp8 or q_dtype != torch.float16):
+        return False            # the FP8 cache's RoPE part is bf16: it takes bf16 q only
+    try:
+        from dsv4lab.kernels.attention import ws_sm90
+    except ImportError:         # a Triton whose Gluon lacks what the kernel uses
+        return False
+    return ws_sm90.smem_bytes(fp8, lazy=fp8 and size_class(rows) == "large") <= p.smem_per_block
+
+
+TABLES = {OP: (
+    Route("ws_sm90", SM90,
+          when="64 heads, D = d_v = 512, bf16/fp16 q and cache or bf16 q and the FP8 cache, "
+               "B x S_q > 16, Triton 3.6",
+          why="a producer warp group gathers while two consumers compute: faster from B x S_q "
+              "= 17 on (`dsv4lab bench sparse_mla`)",
+          applies=_ws_applies),
+    Route("mma", None, when="every other call",
+          why="the portable tensor-core kernel (lesson 2), configured by the device"),
+)}
+
+# Configurations of the Triton kernel measured fastest on the H200 at 64 heads, D = d_v = 512,
+# 16-bit q (tools/tune_sparse_mla.py sweeps them on any GPU and prints such an entry); mid and
+# large batches run the ws_sm90 route there. ``evict_kv`` applies at S_q = 1 only: a verify
+# step's positions share rows through the L2.
+TUNED = {
+    (9, 0): {
+        ("bf16", "tiny"): Config(64, 4, 2, 16, pdl=True),
+        ("bf16", "small"): Config(64, 8, 2, 64, evict_kv=True),
+        ("fp8", "tiny"): Config(32, 4, 2, 16, pdl=True, evict_kv=True),
+        ("fp8", "small"): Config(64, 8, 3, 64, pipe_gather=True, split_qk=True, evict_kv=True),
+    },
+}
+INTERPRETER = Config(16, 4, 1, 64)      # small tiles, so a short list spans several of them
+
+
+def portable_config(p: DeviceProps, rows: int, dim: int, fp8: bool) -> Config:
+    """The Triton kernel's configuration from the shared memory a block may have. A [64, 512]
+    fp32 accumulator takes 128 registers a thread at 8 warps: beside it a program holds Q (or,
+    with the FP8 cache, the raw bytes and the dequantised tile) within the 255 a thread only
+    with fewer heads, so the smaller parts take 32-head blocks (two programs a query, sharing
+    each tile through the L2) and the FP8 cache 16-head ones; one or two query positions take
+    16-head blocks too, four programs a query, to fill more SMs. Shared memory of these as
+    compiled for sm_80 .. sm_120 (tests/test_portability.py checks each against its GPU): bf16
+    N32 h16 about 50 KB, N32 h32 68 KB, N32 w8 h64 130 KB (sm_90) to 165 KB (sm_100); FP8 N32
+    h16 103 KB, N16 h16 59 KB. Sized for D <= 512 (a wider row takes the smallest tiles)."""
+    if dim > 512:
+        return Config(16, 4, 1, 16)
+    if fp8:
+        return Config(32, 4, 2, 16) if p.smem_per_block >= 110 * 1024 else Config(16, 4, 2, 16)
+    if rows <= 2:
+        return Config(32, 4, 2, 16)
+    return Config(32, 8, 2, 64) if p.smem_per_block >= 200 * 1024 else Config(32, 8, 2, 32)
+
+
+def triton_config(p: DeviceProps, *, rows, heads, dim, d_v, q_dtype, fp8, offline=False,
+                  **_) -> Config:
+    """The Triton kernel's launch configuration on ``p`` for this shape."""
+    if (interpreting() and not offline) or not p.is_gpu:
+        return INTERPRETER
+    if heads >= 64 and dim == d_v == 512 and q_dtype != torch.float32:
+        tuned = TUNED.get(p.capability, {}).get(("fp8" if fp8 else "bf16", size_class(rows)))
+        if tuned is not None:
+            return tuned
+    return portable_config(p, rows, dim, fp8)
+
+
+class Plan(NamedTuple):
+    """What one call launches: the route's kernel, the Triton kernel's configuration (None
+    for ws_sm90), the split-KV plan, the ws kernel's lazy rescale, the L2 policy."""
+    kernel: str
+    config: Config | None
+    splits: int
+    split_rows: int
+    lazy: bool
+    evict_kv: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(p: DeviceProps, *, B, S_q, H, D, d_v, topk, q_dtype, fp8, aligned, offline=False) -> Plan:
+    """The launch plan of a call (cached per device and shape). ``offline``: the plan on the
+    GPU ``p`` describes, as on the Triton release its routes run with, whatever runs here."""
+    shape = dict(rows=B * S_q, heads=H, dim=D, d_v=d_v, q_dtype=q_dtype, fp8=fp8,
+                 aligned=aligned, offline=offline)
+    if choose(TABLES[OP], p, **shape).kernel == "ws_sm90":
+        splits, rows = plan_splits(B * S_q, topk, p.sm_count)
+        return Plan("ws_sm90", None, splits, rows, fp8 and size_class(B * S_q) == "large",
+                    S_q == 1)
+    return _triton_plan(p, B, S_q, H, topk, shape)
+
+
+def _triton_plan(p: DeviceProps, B, S_q, H, topk, shape) -> Plan:
+    cfg = triton_config(p, **shape)
+    cfg = cfg._replace(evict_kv=cfg.evict_kv and S_q == 1)
+    block_h = min(cfg.block_h, max(16, triton.next_power_of_2(H)))
+    splits, rows = plan_splits(B * S_q * triton.cdiv(H, block_h), topk, p.sm_count)
+    return Plan("mma", cfg, splits, rows, False, cfg.evict_kv)
+
+
+def sparse_mla_decode(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=None,
+                      kernel=None):
+    """The family's entry: plan the call on q's device and launch it. q [B, S_q, H, D]
+    contiguous; kv [N, D] in q's dtype or uint8 [N, 584] (``fp8``), contiguous; indices int32
+    [B, S_q, topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v], lse fp32 [B, S_q, H]).
+    ``num_splits`` overrides the plan's split-KV ranges (1: never split); ``kernel="mma"`` runs
+    the portable kernel where the table would pick a fast path (the benchmark's evidence)."""
+    B, S_q, H, D = q.shape
+    p = props(q.device)
+    topk = indices.shape[-1]
+    aligned = q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0
+    pl = plan(p, B=B, S_q=S_q, H=H, D=D, d_v=d_v, topk=topk, q_dtype=q.dtype, fp8=fp8,
+              aligned=aligned)
+    if kernel not in (None, pl.kernel):
+        if kernel != "mma":
+            raise ValueError(f"kernel must be None or 'mma' (the portable kernel), got {kernel!r}")
+        pl = _triton_plan(p, B, S_q, H, topk, dict(rows=B * S_q, heads=H, dim=D, d_v=d_v,
+                                                   q_dtype=q.dtype, fp8=fp8))
+    if pl.kernel == "ws_sm90":
+        from dsv4lab.kernels.attention import ws_sm90
+        splits, rows = (pl.splits, pl.split_rows) if num_splits is None else \
+            split_rows(num_splits, topk)
+        return ws_sm90.sparse_mla_ws(q, kv, indices, sink, scale, splits, rows, lazy=pl.lazy,
+                                     evict_kv=pl.evict_kv)
+    return sparse_mla_mma(q, kv, indices, sink, scale, d_v, pl.config, fp8=fp8,
+                          num_splits=pl.splits if num_splits is None else num_splits)
+
+
+# ----------------------------------------------------------------------------------------
+# The launches "auto" makes, for compiling offline (tests/test_portability.py)
+# ----------------------------------------------------------------------------------------
+
+# (B, S_q, topk) a size class is compiled at: DeepSeek-V4-Flash's CSA layers (640 slots), and
+# the 1M-context HCA layers' 8,320 for one query (more split-KV ranges for the combine)
+V4_CASES = (("tiny", 1, 1, 640), ("tiny", 1, 1, 8320), ("small", 8, 1, 640),
+            ("mid", 64, 1, 640), ("large", 128, 2, 640))
+
+
+def _ints(**values):
+    """The JIT's view of integer arguments: 1 is a constant, a multiple of 16 is aligned."""
+    return ({k: 1 for k, v in values.items() if v == 1},
+            tuple(k for k, v in values.items() if v != 1 and v % 16 == 0))
+
+
+def _flags(consts) -> str:
+    return "".join(f" {k.lower()}" for k in ("SPLIT", "PIPE_GATHER", "SPLIT_QK", "PDL", "LAZY_SS",
+                                             "EVICT_KV") if consts.get(k))
+
+
+def offline_cases(p: DeviceProps) -> list:
+    """The launches :func:`sparse_mla_decode` makes on the GPU ``p`` describes, at V4's shape
+    (64 heads, D = d_v = 512, bf16 q with a sink), for every size class and both caches, as on
+    the Triton release the routes were validated with (on sm_90 the ws_sm90 launches, and the
+    Triton kernel that runs there on any other release): one offline.Case each. The cases
+    leave out the L2 mark (``EVICT_KV``: one PTX comment and a move, no shared memory), since a
+    marked kernel compiled outside its launcher's ``l2_hint.rewriting()`` would land in Triton
+    3.6's cache as a plain build under the launch's key (tests/test_l2_hint.py compiles the
+    marked ones)."""
+    from dsv4lab.kernels.attention import mma
+    from dsv4lab.kernels.offline import Case
+    cases = {}                       # one case a distinct launch, named by the shapes using it
+
+    def add(case, shape):
+        key = (case.fn, tuple(sorted((k, str(v)) for k, v in case.constexprs.items())),
+               case.num_warps, case.num_stages, tuple(sorted(case.options.items())))
+        if key in cases:
+            cases[key][1].append(shape)
+        else:
+            cases[key] = (case, [shape])
+
+    def add_combine(B, S_q, splits, pdl, kv_name):
+        fn, _, consts = mma.combine_launch(B, S_q, 64, 512, splits, has_sink=True, pdl=pdl,
+                                           sm_count=p.sm_count)
+        consts.pop("launch_pdl", None)
+        warps = consts.pop("num_warps")
+        flags = "".join(f" {k.lower()}" for k in ("BLOCK_HC", "PDL") if consts.get(k))
+        add(Case(f"combine: {splits} splits{flags}", fn, consts,
+                 types={"opart_ptr": "*bf16", "out_ptr": "*bf16"}, aligned=("*", "H"),
+                 num_warps=warps), f"{kv_name} B{B} S{S_q}")
+
+    for fp8 in (False, True):
+        kv_name = "fp8" if fp8 else "bf16"
+        for size, B, S_q, topk in V4_CASES:
+            shape = dict(B=B, S_q=S_q, H=64, D=512, d_v=512, topk=topk, q_dtype=torch.bfloat16,
+                         fp8=fp8, aligned=True)
+            plans = [plan(p, offline=True, **shape)]
+            if plans[0].kernel != "mma":     # and the Triton kernel it runs on other releases
+                plans.append(_triton_plan(p, B, S_q, 64, topk, dict(
+                    rows=B * S_q, heads=64, dim=512, d_v=512, q_dtype=torch.bfloat16, fp8=fp8,
+                    offline=True)))
+            for cfg in plans:
+                kernel = cfg.kernel
+                split = cfg.splits > 1
+                pdl = split and p.capability >= (9, 0)
+                shape_name = f"{size} B{B} S{S_q} T{topk}"
+                if kernel == "ws_sm90":
+                    from dsv4lab.kernels.attention import ws_sm90
+                    consts = ws_sm90.kernel_constexprs(fp8=fp8, split=split, has_sink=True, pdl=pdl,
+                                                       lazy=cfg.lazy, evict=False)
+                    consts.pop("maxnreg")
+                    ones, aligned = _ints(topk=topk, num_splits=cfg.splits,
+                                          split_rows=cfg.split_rows)
+                    add(Case(f"ws_sm90 {kv_name}{_flags(consts)}", ws_sm90._sparse_mla_ws_kernel,
+                             dict(consts, **ones),
+                             types={"q_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32",
+                                    "opart_ptr": "*bf16" if split else "*fp32",
+                                    "kv_ptr": "*u8" if fp8 else "*bf16", "qk_scale": "fp32"},
+                             aligned=("*",) + aligned, num_warps=4, options={"maxnreg": 168}),
+                        shape_name)
+                else:
+                    c = cfg.config
+                    consts = mma.kernel_constexprs(
+                        c, D=512, d_v=512, q_dtype=torch.bfloat16, fp8=fp8,
+                        fp8_hw=p.capability >= (8, 9), split=split, has_sink=True,
+                        pdl=split and c.pdl and pdl, evict=False, word_aligned=True)
+                    warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+                    n_hblk = triton.cdiv(64, c.block_h)
+                    ones, aligned = _ints(H=64, topk=topk, n_hblk=n_hblk, num_splits=cfg.splits,
+                                          split_rows=cfg.split_rows)
+                    add(Case(f"mma {kv_name}: N{c.block_n} w{warps} s{stages} h{c.block_h}"
+                             f"{_flags(consts)}",
+                             mma._sparse_mla_mma_kernel, dict(consts, BLOCK_H=c.block_h, **ones),
+                             types={"q_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32",
+                                    "opart_ptr": "*bf16" if split else "*fp32",
+                                    "kv_ptr": "*u8" if fp8 else "*bf16", "qk_scale": "fp32"},
+                             aligned=("*",) + aligned, num_warps=warps, num_stages=stages),
+                        shape_name)
+                if split:
+                    add_combine(B, S_q, cfg.splits, pdl and (kernel == "ws_sm90" or cfg.config.pdl),
+                                kv_name)
+    return [dataclasses.replace(case, name=f"{case.name} ({'; '.join(shapes)})")
+            for case, shapes in cases.values()]
