@@ -8,50 +8,52 @@ For decode row ``r = (b, s)`` and each visible key entry ``j < context_lens[b, s
 
     logit[r, j] = k_scale[j] * sum_h w[r, h] * ReLU(q[r, h] . k[j])
 
-The keys live in a paged cache ``k_cache [P, page, D]``: logical entry ``j`` of batch
-row ``b`` sits in physical page ``block_table[b, j // page]`` at offset ``j % page``.
+The keys live in a paged cache ``k_cache [P, page, D]``: logical entry ``j`` of batch row
+``b`` sits in physical page ``block_table[b, j // page]`` at offset ``j % page``.
 
-The campaign's fallback scored every position up to the configured maximum context
-(262,144 c4 entries at 1M tokens) and ran ``torch.topk`` over that width, so a request
-holding 512 tokens paid for a million. These kernels cost O(actual length):
+Scoring every position up to the configured maximum context (262,144 c4 entries at 1M
+tokens) and sorting that width costs O(max_context) per step, whatever the request holds.
+The two kernels here cost O(actual length):
 
-1. ``_indexer_logits_kernel``: a FIXED grid of (rows, NUM_SPLITS) programs, chosen from
-   the shapes only (about ``programs_per_sm`` programs per SM in all, so that thousands
-   of tile loads are in flight even for 64 decode rows). Each program reads its row's
-   visible length from ``context_lens`` ON THE DEVICE and walks its share of the row's
-   tiles (every NUM_SPLITS-th tile, or one contiguous run) only up to the last visible
-   page (per-page early exit); programs with nothing to do return at once. A tile
-   gathers BLOCK_N keys through the block table (each key row is 128 contiguous bytes)
-   and computes ``keys [BLOCK_N, D] @ q^T [D, heads]`` on tensor cores (FP8 e4m3 x e4m3
-   on sm_89+; bf16 elsewhere, the e4m3 upcast being exact; fp32 in the interpreter, whose
-   bf16 ``tl.dot`` is wrong). Keys are the dot's M side on purpose: the ReLU, head
-   weights and the sum over the 64 heads then run along each accumulator row, inside a
-   warp, with no cross-warp reduction per tile. The IEEE fp32 dot (CUDA cores) takes the
-   head dim in BLOCK_D chunks: one [D = 128] operand would not fit in registers.
-2. ``_topk_kernel``: one program per row. If the row sees ``n <= topk`` entries it writes
-   positions 0..n-1 and pads -1 (the common decode case: no sort at all; the logits
-   kernel does not even score such rows when it feeds the top-k). Otherwise a
-   4-pass radix select over the order-preserving uint32 image of the fp32 logits (8 bits
-   a pass, a 256-bin histogram of the entries that still match the prefix) finds the
-   k-th largest key; a last pass writes every position above it and as many of the ties
-   as are needed, in position order, compacted with a prefix sum. Every pass reads only
-   the ``n`` visible logits.
+1. :func:`logits_kernel`: a FIXED grid of (rows, NUM_SPLITS) programs, chosen from the
+   shapes and the device only (about ``programs_per_sm`` programs per SM in all, so that
+   many tile loads are in flight even for 64 decode rows). Each program reads its row's
+   visible length from ``context_lens`` ON THE DEVICE and walks every NUM_SPLITS-th tile of
+   the row only up to the last visible page (per-page early exit). A tile gathers BLOCK_N
+   keys through the block table (each key row is D contiguous values) and computes
+   ``keys [BLOCK_N, D] @ q^T [D, heads]``. Keys are the dot's M side on purpose: the ReLU,
+   the head weights and the sum over heads then run along each accumulator row, inside a
+   warp, with no cross-warp reduction per tile.
+2. :func:`topk_kernel`: one program per row. A row that sees ``n <= topk`` entries keeps
+   them all: positions 0..n-1, then -1 (no logits read; the logits kernel does not even
+   score such rows when it feeds the top-k). Otherwise a 4-pass radix select over the
+   order-preserving uint32 image of the fp32 logits (8 bits a pass, a 256-bin histogram of
+   the entries that still match the prefix) finds the k-th largest key; a last pass writes
+   every position above it and as many ties as are needed, in position order, compacted
+   with a prefix sum. Every pass reads only the ``n`` visible logits.
 
 Neither kernel reads a length on the host, allocates by length or changes its grid with
-the data, so one captured CUDA graph serves every context length and block table
-written into the same buffers.
+the data, so one captured CUDA graph serves every context length and block table written
+into the same buffers.
 
-Explained in notebooks/03_indexer_capping.ipynb.
+Which dot runs where is :data:`TABLES`; launch configurations come from the device
+(:func:`logits_config`). Explained in notebooks/03_indexer_capping.ipynb.
 """
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.kernels.device import interpreting, sm_count
+from dsv4lab.kernels.device import DeviceProps, Route, choose, interpreting, props as device_props
+from dsv4lab.kernels.offline import Case
 
-# How the indexer matmul runs (DOT_MODE): the wider of q's and k's dtypes.
-DOT_FP8 = 0    # e4m3 x e4m3 tensor-core dot, fp32 accumulate (sm_89+)
+# How the matmul runs (the DOT constexpr): the wider of q's and k's dtypes.
+DOT_FP8 = 0    # e4m3 x e4m3 tensor-core dot, fp32 accumulate
 DOT_BF16 = 1   # operands upcast to bf16 (e4m3 -> bf16 is exact), fp32 accumulate
 DOT_FP32 = 2   # operands upcast to fp32, IEEE fp32 dot (no TF32)
 DOT_NAMES = {DOT_FP8: "fp8", DOT_BF16: "bf16", DOT_FP32: "fp32"}
@@ -67,28 +69,27 @@ def _e4m3_bits_to_f32(x):
 
 
 @triton.jit
-def _tile_dot(k, qt, DOT_MODE: tl.constexpr, FP32_PRECISION: tl.constexpr):
+def _tile_dot(k, qt, DOT: tl.constexpr):
     """[BLOCK_N, Dc] keys x [Dc, H_PAD] queries -> fp32 [BLOCK_N, H_PAD]."""
-    if DOT_MODE == 0:
+    if DOT == 0:
         acc = tl.dot(k, qt)
-    elif DOT_MODE == 1:
+    elif DOT == 1:
         acc = tl.dot(k.to(tl.bfloat16), qt)
     else:
-        acc = tl.dot(k.to(tl.float32), qt, input_precision=FP32_PRECISION)
+        acc = tl.dot(k.to(tl.float32), qt, input_precision="ieee")
     return acc
 
 
 @triton.jit
-def _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh,
-             DOT_MODE: tl.constexpr, Q_U8: tl.constexpr):
+def _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh, DOT: tl.constexpr, Q_U8: tl.constexpr):
     """q's [H_PAD, Dc] slice, transposed to the dot's [Dc, H_PAD] operand in its dtype."""
     q = tl.load(q_row + offs_h[:, None] * stride_qh + offs_c[None, :],
                 mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     if Q_U8:
         q = _e4m3_bits_to_f32(q)
-    if DOT_MODE == 1:
+    if DOT == 1:
         q = q.to(tl.bfloat16)
-    elif DOT_MODE == 2:
+    elif DOT == 2:
         q = q.to(tl.float32)
     return tl.trans(q)
 
@@ -97,8 +98,7 @@ def _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh,
 def _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
                 offs_n, offs_h, h_ok, stride_qh,
                 D: tl.constexpr, PAGE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_MODE: tl.constexpr, FP32_PRECISION: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT: tl.constexpr,
                 Q_U8: tl.constexpr, K_U8: tl.constexpr):
     """Score logical entries [t * BLOCK_N, (t + 1) * BLOCK_N) of one row and store them."""
     pos = t * BLOCK_N + offs_n
@@ -113,7 +113,7 @@ def _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
                     mask=vis[:, None] & (offs_d < D)[None, :], other=0.0)
         if K_U8:
             k = _e4m3_bits_to_f32(k)
-        acc = _tile_dot(k, qt, DOT_MODE, FP32_PRECISION)                # [BLOCK_N, H_PAD]
+        acc = _tile_dot(k, qt, DOT)                                     # [BLOCK_N, H_PAD]
     else:
         # the CUDA-core fp32 dot: chunks of BLOCK_D dims keep its operands in registers
         acc = tl.zeros([BLOCK_N, H_PAD], dtype=tl.float32)
@@ -124,8 +124,8 @@ def _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
                         mask=vis[:, None] & c_ok[None, :], other=0.0)
             if K_U8:
                 k = _e4m3_bits_to_f32(k)
-            qc = _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh, DOT_MODE, Q_U8)
-            acc += _tile_dot(k, qc, DOT_MODE, FP32_PRECISION)
+            qc = _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh, DOT, Q_U8)
+            acc += _tile_dot(k, qc, DOT)
     # ReLU, head weights, and the sum over heads: along the accumulator's rows (in-warp)
     logit = tl.sum(tl.maximum(acc, 0.0) * w[None, :], axis=1) * ks
     logit = tl.where(vis, logit, float("-inf"))
@@ -133,7 +133,7 @@ def _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
 
 
 @triton.jit
-def _indexer_logits_kernel(
+def logits_kernel(
         q_ptr, k_ptr, ks_ptr, w_ptr, bt_ptr, cl_ptr, out_ptr,
         S, H, L, n_bound, skip_upto,
         stride_qb, stride_qs, stride_qh,
@@ -142,8 +142,8 @@ def _indexer_logits_kernel(
         stride_clb, stride_cls,
         D: tl.constexpr, PAGE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        CONTIGUOUS: tl.constexpr, DOT_MODE: tl.constexpr, FP32_PRECISION: tl.constexpr,
-        FILL_TAIL: tl.constexpr, Q_U8: tl.constexpr, K_U8: tl.constexpr):
+        DOT: tl.constexpr, FILL_TAIL: tl.constexpr, Q_U8: tl.constexpr, K_U8: tl.constexpr):
+    """Logits of row ``program_id(0)`` over its tiles ``split, split + NUM_SPLITS, ...``."""
     row = tl.program_id(0)          # b * S + s
     split = tl.program_id(1)
     b = row // S
@@ -156,36 +156,22 @@ def _indexer_logits_kernel(
     n_work = tl.where(n > skip_upto, n_tiles, 0)
     out_row = out_ptr + row.to(tl.int64) * L
     offs_n = tl.arange(0, BLOCK_N)
-    # which of the row's tiles are this program's: a contiguous run, or every NUM_SPLITS-th
-    if CONTIGUOUS:
-        per = tl.cdiv(n_work, NUM_SPLITS)
-        t_lo = split * per
-        t_hi = tl.minimum(t_lo + per, n_work)
-    else:
-        t_lo = split
-        t_hi = n_work
 
-    if t_lo < t_hi:                 # early exit: a program past the row's last page does nothing
+    if split < n_work:              # early exit: a program past the row's last page does nothing
         offs_h = tl.arange(0, H_PAD)
         h_ok = offs_h < H
         q_row = q_ptr + b * stride_qb + s * stride_qs
         w = tl.load(w_ptr + b * stride_wb + s * stride_ws + offs_h, mask=h_ok, other=0.0)
         if BLOCK_D == D_PAD:
             offs_d = tl.arange(0, D_PAD)
-            qt = _load_qt(q_row, offs_h, offs_d, h_ok, offs_d < D, stride_qh, DOT_MODE, Q_U8)
+            qt = _load_qt(q_row, offs_h, offs_d, h_ok, offs_d < D, stride_qh, DOT, Q_U8)
         else:
             qt = tl.zeros([BLOCK_D, H_PAD], dtype=tl.float32)      # unused: chunks reload q
         bt_row = bt_ptr + b * stride_btb
-        if CONTIGUOUS:
-            for t in range(t_lo, t_hi):
-                _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
-                            offs_n, offs_h, h_ok, stride_qh, D, PAGE, H_PAD, D_PAD, BLOCK_N,
-                            BLOCK_D, DOT_MODE, FP32_PRECISION, Q_U8, K_U8)
-        else:
-            for t in range(t_lo, t_hi, NUM_SPLITS):
-                _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
-                            offs_n, offs_h, h_ok, stride_qh, D, PAGE, H_PAD, D_PAD, BLOCK_N,
-                            BLOCK_D, DOT_MODE, FP32_PRECISION, Q_U8, K_U8)
+        for t in range(split, n_work, NUM_SPLITS):
+            _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
+                        offs_n, offs_h, h_ok, stride_qh, D, PAGE, H_PAD, D_PAD, BLOCK_N,
+                        BLOCK_D, DOT, Q_U8, K_U8)
 
     if FILL_TAIL:                   # the public logits op returns all L columns (-inf tail)
         n_all = tl.cdiv(L, BLOCK_N)
@@ -205,10 +191,11 @@ def _sortable(x):
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, cl_ptr, out_ptr,
-                 S, stride_lr, n_bound,
-                 stride_clb, stride_cls,
-                 TOPK: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr):
+def topk_kernel(logits_ptr, cl_ptr, out_ptr,
+                S, stride_lr, n_bound,
+                stride_clb, stride_cls,
+                TOPK: tl.constexpr, BLOCK: tl.constexpr, FILL: tl.constexpr):
+    """The top-TOPK positions of row ``program_id(0)``'s visible logits, -1 padded."""
     row = tl.program_id(0)
     b = row // S
     s = row % S
@@ -218,7 +205,7 @@ def _topk_kernel(logits_ptr, cl_ptr, out_ptr,
     lrow = logits_ptr + row.to(tl.int64) * stride_lr
 
     if n <= TOPK:
-        # fast path: every visible entry is kept; no logits read at all
+        # every visible entry is kept; no logits read at all
         for start in range(0, TOPK, FILL):
             o = start + tl.arange(0, FILL)
             tl.store(out_row + o, tl.where(o < n, o, -1), mask=o < TOPK)
@@ -263,129 +250,179 @@ def _topk_kernel(logits_ptr, cl_ptr, out_ptr,
             ties += tl.sum(eq_i, axis=0)
 
 
-# ------------------------------------------------------------------------ launchers
+# ------------------------------------------------------------------- the dispatch table
 
-def _interpreting(device) -> bool:
-    return device.type != "cuda" or interpreting()
-
-
-def dot_mode(q_dtype, k_dtype, device) -> int:
-    """DOT_FP8 / DOT_BF16 / DOT_FP32 for these operand dtypes on ``device``.
-
-    The matmul runs in the wider of the two dtypes (fp8 < bf16 < fp32). FP8 tensor-core
-    dots need sm_89+; elsewhere fp8 operands are upcast to bf16 (exactly). Under the
-    interpreter fp8 and bf16 both run as fp32 (its bf16 ``tl.dot`` returns garbage).
-    """
-    rank = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}
-    r = max(rank[q_dtype], rank[k_dtype])
-    if r == 2:
-        return DOT_FP32
-    if _interpreting(device):
-        return DOT_FP32
-    if r == 0 and torch.cuda.get_device_capability(device) >= (8, 9):
-        return DOT_FP8
-    return DOT_BF16
+FP8 = torch.float8_e4m3fn
+_RANK = {FP8: DOT_FP8, torch.bfloat16: DOT_BF16, torch.float32: DOT_FP32}
 
 
-# Launch configurations of the logits kernel, per (dot, key dtype); "*" matches any key.
-# Fields: block_n (entries per tile), block_d (head dims per dot; None = all of them, q
-# resident; the CUDA-core fp32 dot needs chunks), num_warps, num_stages, programs_per_sm
-# (the grid is (rows, splits) with splits = floor(programs_per_sm * SMs / rows), from the
-# shapes only), contiguous (each split takes a run of tiles, else every splits-th tile),
-# fp32_precision ("ieee" or "tf32x3", the fp32 path's tl.dot). scripts/tune_indexer.py
-# sweeps these on a GPU and prints a replacement table; check_logits_config says which
-# values compile.
-# Winners of the 2026-11-29 H200 sweep (sm_90, triton 3.6; B=64, 32,768 entries a row):
-# fp8 x fp8 88.9 us (0.76 of the HBM roofline), bf16 q x fp8 k 168 us, bf16 x bf16
-# 162 us, fp32 q (IEEE dot, CUDA cores) 2.9 ms. 3xTF32 ran the fp32 path in 0.51 ms
-# within 1e-4, but the fp32 row is kept IEEE on purpose (exact fp32 math).
-LOGITS_CONFIGS = {
-    ("fp8", "*"): dict(block_n=128, block_d=None, num_warps=4, num_stages=2, programs_per_sm=8,
-                       contiguous=False, fp32_precision="ieee"),
-    ("bf16", "fp8"): dict(block_n=64, block_d=None, num_warps=4, num_stages=4,
-                          programs_per_sm=12, contiguous=False, fp32_precision="ieee"),
-    ("bf16", "*"): dict(block_n=64, block_d=None, num_warps=4, num_stages=3, programs_per_sm=8,
-                        contiguous=False, fp32_precision="ieee"),
-    ("fp32", "*"): dict(block_n=64, block_d=16, num_warps=4, num_stages=2, programs_per_sm=8,
-                        contiguous=False, fp32_precision="ieee"),
+def _widest(q_dtype, k_dtype) -> int:
+    return max(_RANK[q_dtype], _RANK[k_dtype])
+
+
+# The routes, in DOT_* order (dot_path returns a route's position). Shape arguments default
+# to the headline case (e4m3 q and keys), so that choose(table, props) names a kernel too.
+LOGITS_ROUTES = (
+    Route("logits_kernel, e4m3 x e4m3 dot", None, "q and keys e4m3 on sm_89 and newer",
+          "FP8 tensor cores, half the key bytes of bf16 (`dsv4lab bench indexer`, matmul_dtype rows)",
+          lambda p, q_dtype=FP8, k_dtype=FP8, **_: (p.capability >= (8, 9)
+                                                   and _widest(q_dtype, k_dtype) == DOT_FP8)),
+    Route("logits_kernel, bf16 dot", None,
+          "the wider operand bf16, or e4m3 on sm_80 (read as bytes, decoded in the kernel)",
+          "bf16 tensor cores; e4m3 -> bf16 is exact",
+          lambda p, q_dtype=FP8, k_dtype=FP8, **_: p.is_gpu and _widest(q_dtype, k_dtype) <= DOT_BF16),
+    Route("logits_kernel, fp32 dot", None, "an fp32 operand; every dtype in Triton's interpreter",
+          "exact fp32 math (IEEE dot); the interpreter's bf16 tl.dot is wrong, so it upcasts"),
+)
+TABLES = {
+    "indexer_logits": LOGITS_ROUTES,
+    "indexer_topk": tuple(dataclasses.replace(r, kernel=r.kernel + " + topk_kernel")
+                          for r in LOGITS_ROUTES),
 }
-_DTYPE_KEY = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
-_CONFIG_FIELDS = ("block_n", "block_d", "num_warps", "num_stages", "programs_per_sm",
-                  "contiguous", "fp32_precision")
 
 
-def logits_config(mode: int, k_dtype) -> dict:
-    """The launch configuration for dot mode ``mode`` with keys of ``k_dtype``."""
-    dot = DOT_NAMES[mode]
-    key = _DTYPE_KEY.get(k_dtype, "*")
-    return dict(LOGITS_CONFIGS.get((dot, key)) or LOGITS_CONFIGS[(dot, "*")])
+def dot_path(q_dtype, k_dtype, props: DeviceProps) -> int:
+    """DOT_FP8 / DOT_BF16 / DOT_FP32: the route of :data:`TABLES` these dtypes take on ``props``."""
+    return LOGITS_ROUTES.index(choose(LOGITS_ROUTES, props, q_dtype=q_dtype, k_dtype=k_dtype))
+
+
+# --------------------------------------------------------------- launch configurations
+
+@dataclass(frozen=True)
+class LogitsConfig:
+    """Launch shape of :func:`logits_kernel`.
+
+    ``block_n``: key entries per tile (the dot's M side); ``block_d``: head dims per dot
+    (None: all of them, q^T resident; the fp32 CUDA-core dot takes chunks to stay in
+    registers); ``programs_per_sm``: the grid is (rows, splits) with splits about
+    ``programs_per_sm * SMs / rows``."""
+    block_n: int
+    block_d: int | None
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+
+
+# Measured best on a GPU (`tools/tune_indexer.py` prints such an entry), by capability and
+# (dot, key dtype); a capability not listed takes the portable rule of logits_config.
+TUNED = {
+    (9, 0): {("fp8", "*"): LogitsConfig(128, None, 4, 2, 8),
+             ("bf16", "fp8"): LogitsConfig(64, None, 4, 4, 12),
+             ("bf16", "*"): LogitsConfig(64, None, 4, 3, 8),
+             ("fp32", "*"): LogitsConfig(64, 16, 4, 2, 8)},
+}
+_KEY_NAMES = {FP8: "fp8", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_SMEM_SLACK = 16 * 1024          # layout conversions and reductions beside the pipelined tiles
+
+
+def logits_config(dot: int, k_dtype, props: DeviceProps, *, head_dim: int = 128,
+                  heads: int = 64) -> LogitsConfig:
+    """The launch configuration of ``dot`` with keys of ``k_dtype`` on ``props``.
+
+    A :data:`TUNED` entry for the capability if there is one; else 128-entry tiles for the
+    e4m3 dot, 64 otherwise, and as many pipeline stages (up to 2 for e4m3, 3 for bf16) as
+    the device's shared memory per block holds next to q^T."""
+    tuned = TUNED.get(props.capability, {})
+    name = DOT_NAMES[dot]
+    cfg = tuned.get((name, _KEY_NAMES[k_dtype])) or tuned.get((name, "*"))
+    if cfg is not None:
+        return cfg
+    if dot == DOT_FP32:
+        return LogitsConfig(64, 16, 4, 2, 8)
+    block_n, want = (128, 2) if dot == DOT_FP8 else (64, 3)
+    d_pad, h_pad = max(32, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(heads))
+    resident = d_pad * h_pad * (1 if dot == DOT_FP8 else 2)
+    per_stage = block_n * d_pad * k_dtype.itemsize
+    fit = (props.smem_per_block - resident - _SMEM_SLACK) // per_stage
+    return LogitsConfig(block_n, None, 4, max(1, min(want, fit)), 8)
 
 
 def _pow2(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
 
 
-def gpu_dot_modes(q_dtype, k_dtype) -> list:
-    """Every dot mode these operand dtypes can take on a CUDA GPU (sm_80 .. sm_120)."""
-    rank = {torch.float8_e4m3fn: 0, torch.bfloat16: 1, torch.float32: 2}
-    r = max(rank[q_dtype], rank[k_dtype])
-    return [[DOT_FP8, DOT_BF16], [DOT_BF16], [DOT_FP32]][r]
-
-
-def check_logits_config(cfg: dict, mode: int) -> None:
-    """Raise ValueError unless ``cfg`` compiles for dot mode ``mode`` on every CUDA target.
-
-    The interpreter accepts any shape, the compiler does not: NVIDIA ``tl.dot`` needs a
-    reduction (K) side of at least 16 (32 for the 8-bit e4m3 x e4m3 dot), so a head-dim
-    chunk ``block_d`` below that fails to compile on sm_80/90/120 (the 2026-11-29 sweep's
-    block_d=8 fp32 candidates did). Block sizes are powers of two (``tl.arange``);
-    ``block_n`` >= 16 keeps every dot's M side at an MMA tile.
-    """
-    unknown = set(cfg) - set(_CONFIG_FIELDS)
-    if unknown:
-        raise ValueError(f"config: unknown field(s) {sorted(unknown)}; expected {_CONFIG_FIELDS}")
-    if not (_pow2(cfg["block_n"]) and cfg["block_n"] >= 16):
-        raise ValueError(f"config block_n: expected a power of two >= 16, got {cfg['block_n']!r}")
-    bd = cfg["block_d"]
-    min_k = 32 if mode == DOT_FP8 else 16
-    if bd is not None and not (_pow2(bd) and bd >= min_k):
-        raise ValueError(
-            f"config block_d: expected None or a power of two >= {min_k} (tl.dot's K side "
-            f"for the {DOT_NAMES[mode]} dot), got {bd!r}")
-    if not (_pow2(cfg["num_warps"]) and cfg["num_warps"] <= 32):
-        raise ValueError(f"config num_warps: expected 1..32, a power of two, got "
-                         f"{cfg['num_warps']!r}")
-    if not (isinstance(cfg["num_stages"], int) and cfg["num_stages"] >= 1):
-        raise ValueError(f"config num_stages: expected an int >= 1, got {cfg['num_stages']!r}")
-    if not (isinstance(cfg["programs_per_sm"], int) and cfg["programs_per_sm"] >= 1):
-        raise ValueError(f"config programs_per_sm: expected an int >= 1, got "
-                         f"{cfg['programs_per_sm']!r}")
-    if cfg["fp32_precision"] not in ("ieee", "tf32", "tf32x3"):
-        raise ValueError(f"config fp32_precision: expected 'ieee', 'tf32' or 'tf32x3', got "
-                         f"{cfg['fp32_precision']!r}")
+def check_config(cfg: LogitsConfig, dot: int) -> None:
+    """ValueError unless ``cfg`` compiles for ``dot`` on every CUDA target: power-of-two
+    blocks (``tl.arange``), tiles of at least 16 entries, and a head-dim chunk of at least
+    16 (32 for the 8-bit dot), the smallest K side of NVIDIA's ``tl.dot``."""
+    if not (_pow2(cfg.block_n) and cfg.block_n >= 16):
+        raise ValueError(f"config block_n: expected a power of two >= 16, got {cfg.block_n!r}")
+    min_k = 32 if dot == DOT_FP8 else 16
+    if cfg.block_d is not None and not (_pow2(cfg.block_d) and cfg.block_d >= min_k):
+        raise ValueError(f"config block_d: expected None or a power of two >= {min_k} (tl.dot's "
+                         f"K side for the {DOT_NAMES[dot]} dot), got {cfg.block_d!r}")
+    if not (_pow2(cfg.num_warps) and cfg.num_warps <= 32):
+        raise ValueError(f"config num_warps: expected a power of two <= 32, got {cfg.num_warps!r}")
+    for field in ("num_stages", "programs_per_sm"):
+        v = getattr(cfg, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"config {field}: expected an int >= 1, got {v!r}")
 
 
 def logits_splits(rows: int, L: int, block_n: int, programs_per_sm: int, sm_count: int) -> int:
     """Programs per row of the logits kernel: about ``programs_per_sm`` per SM in all.
 
-    Fixed by the shapes alone (never by ``context_lens``). Rounded down: a grid just past
-    a multiple of the resident programs would add a nearly empty last wave. The cap at
-    ``cdiv(L, block_n)`` tiles is the only way L enters, and it saturates: once
-    ``L >= block_n * programs_per_sm * sm_count // rows`` the grid no longer depends on L
-    (on an H200, fp8 config, 64 rows: 16 splits from 2,048 entries = 8K tokens up).
-    """
+    Fixed by the shapes and the device (never by ``context_lens``). Rounded down: a grid just
+    past a multiple of the resident programs would add a nearly empty last wave. L enters only
+    through the cap at ``cdiv(L, block_n)`` tiles, which stops binding once
+    ``L >= block_n * programs_per_sm * sm_count // rows``."""
     return max(1, min(triton.cdiv(L, block_n), programs_per_sm * sm_count // rows))
 
 
-def _int_specialization(**ints) -> dict:
-    """How Triton specialises integer arguments (== 1, divisible by 16): two launches
-    whose ints agree on these reuse one compiled kernel."""
-    return {k: (v == 1, v % 16 == 0) for k, v in ints.items()}
+@dataclass(frozen=True)
+class Plan:
+    """One launch, worked out once per shapes and device: grid, constexprs and options."""
+    grid: tuple
+    meta: dict
+    n_bound: int
+    q_u8: bool = False
+    k_u8: bool = False
 
 
-def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L,
-                   fill_tail: bool, fp8_bytes=None, skip_upto: int = -1, config=None,
-                   info=None):
+@functools.lru_cache(maxsize=512)
+def logits_plan(props: DeviceProps, interpreted: bool, rows: int, S: int, H: int, D: int,
+                page: int, max_pages: int, L: int, q_dtype, k_dtype, fill_tail: bool,
+                config: LogitsConfig | None = None) -> Plan:
+    """The launch of :func:`logits_kernel` for these shapes on ``props`` (``interpreted``:
+    Triton's interpreter runs it: small tiles, and every dot in fp32)."""
+    dot = dot_path(q_dtype, k_dtype, props)
+    bytes_in = props.is_gpu and props.capability < (8, 9)   # no e4m3 type in Triton there
+    if config is None:
+        config = logits_config(dot, k_dtype, props, head_dim=D, heads=H)
+    check_config(config, dot)
+    if interpreted:
+        dot = DOT_FP32
+    H_PAD = max(16, triton.next_power_of_2(H))
+    D_PAD = max(32, triton.next_power_of_2(D))
+    block_n = 16 if interpreted else config.block_n
+    block_d = min(D_PAD, config.block_d or D_PAD)
+    splits = logits_splits(rows, L, block_n, config.programs_per_sm, props.sm_count)
+    meta = dict(D=D, PAGE=page, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_N=block_n, BLOCK_D=block_d,
+                NUM_SPLITS=splits, DOT=dot, FILL_TAIL=fill_tail,
+                Q_U8=bytes_in and q_dtype == FP8, K_U8=bytes_in and k_dtype == FP8,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+    return Plan((rows, splits), meta, min(L, max_pages * page), meta["Q_U8"], meta["K_U8"])
+
+
+@functools.lru_cache(maxsize=512)
+def topk_plan(interpreted: bool, rows: int, L: int, n_bound: int, topk: int) -> Plan:
+    """The launch of :func:`topk_kernel`: one program per row."""
+    block = 64 if interpreted else 2048
+    fill = min(triton.next_power_of_2(topk), 64 if interpreted else 1024)
+    return Plan((rows,), dict(TOPK=topk, BLOCK=block, FILL=fill, num_warps=4 if interpreted else 8),
+                n_bound)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _interpreted(device) -> bool:
+    return device.type != "cuda" or interpreting()
+
+
+def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L, *,
+                   fill_tail: bool, skip_upto: int, config, props):
+    if config is not None and not isinstance(config, LogitsConfig):
+        raise ValueError(f"config must be a LogitsConfig, got {type(config).__name__}")
     B, S, H, D = q.shape
     P, page, _ = k_cache.shape
     if q.stride(3) != 1:
@@ -394,88 +431,48 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
     k_scale = k_scale.contiguous()
     weights = weights if weights.stride(2) == 1 else weights.contiguous()
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    mode = dot_mode(q.dtype, k_cache.dtype, q.device)
-    # GPUs before sm_89 have no e4m3 type in Triton: pass the bytes, decode in the kernel
-    no_fp8 = fp8_bytes if fp8_bytes is not None else (
-        not _interpreting(q.device) and torch.cuda.get_device_capability(q.device) < (8, 9))
-    if no_fp8 and mode == DOT_FP8:
-        mode = DOT_FP32 if _interpreting(q.device) else DOT_BF16
-    q_u8 = no_fp8 and q.dtype == torch.float8_e4m3fn
-    k_u8 = no_fp8 and k_cache.dtype == torch.float8_e4m3fn
-    q_arg = q.view(torch.uint8) if q_u8 else q
-    k_arg = k_cache.view(torch.uint8) if k_u8 else k_cache
-    H_PAD = max(16, triton.next_power_of_2(H))
-    D_PAD = max(32, triton.next_power_of_2(D))
-    cfg = dict(logits_config(mode, k_cache.dtype), **(config or {}))
-    check_logits_config(cfg, mode)
-    BLOCK_N = cfg["block_n"]
-    if _interpreting(q.device):
-        BLOCK_N = 16
-    BLOCK_D = min(D_PAD, cfg["block_d"] or D_PAD)
-    rows = B * S
-    splits = logits_splits(rows, L, BLOCK_N, cfg["programs_per_sm"], sm_count(q.device, cpu=4))
-    n_bound = min(L, block_table.shape[1] * page)
-    if fill_tail:
-        skip_upto = -1              # every visible column is scored when the tail is filled
-    kernel = _indexer_logits_kernel[(rows, splits)](
-        q_arg, k_arg, k_scale, weights, block_table, context_lens, out,
-        S, H, L, n_bound, skip_upto,
+    plan = logits_plan(props or device_props(q.device), _interpreted(q.device), B * S, S, H, D,
+                       page, block_table.shape[1], L, q.dtype, k_cache.dtype, fill_tail, config)
+    logits_kernel[plan.grid](
+        q.view(torch.uint8) if plan.q_u8 else q, k_cache.view(torch.uint8) if plan.k_u8 else k_cache,
+        k_scale, weights, block_table, context_lens, out,
+        S, H, L, plan.n_bound, -1 if fill_tail else skip_upto,
         q.stride(0), q.stride(1), q.stride(2),
         weights.stride(0), weights.stride(1),
         block_table.stride(0),
         context_lens.stride(0), context_lens.stride(1),
-        D=D, PAGE=page, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        NUM_SPLITS=splits, CONTIGUOUS=bool(cfg["contiguous"]), DOT_MODE=mode,
-        FP32_PRECISION=cfg["fp32_precision"], FILL_TAIL=fill_tail, Q_U8=q_u8, K_U8=k_u8,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if info is not None:            # launch facts (compiled-kernel ones: none in the interpreter)
-        info.update(splits=splits, programs=rows * splits, block_n=BLOCK_N, block_d=BLOCK_D,
-                    dot=DOT_NAMES[mode], grid=(rows, splits),
-                    constexprs=dict(D=D, PAGE=page, H_PAD=H_PAD, D_PAD=D_PAD, BLOCK_N=BLOCK_N,
-                                    BLOCK_D=BLOCK_D, NUM_SPLITS=splits,
-                                    CONTIGUOUS=bool(cfg["contiguous"]), DOT_MODE=mode,
-                                    FILL_TAIL=fill_tail, Q_U8=q_u8, K_U8=k_u8),
-                    int_specialization=_int_specialization(L=L, n_bound=n_bound,
-                                                           skip_upto=skip_upto))
-        for name in ("n_regs", "n_spills"):
-            info[name] = getattr(kernel, name, None)
-        info["shared"] = getattr(getattr(kernel, "metadata", None), "shared", None)
-    return out
+        **plan.meta)
+    return plan
 
 
-def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *, fp8_bytes=None,
-                   config=None, out=None, info=None):
+def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *, out=None,
+                   config: LogitsConfig | None = None, props: DeviceProps | None = None):
     """Logits [B, S_q, L] fp32, -inf beyond each query's visible length.
 
-    Inputs as :func:`dsv4lab.ops.indexer_logits` (already checked there). Writes every
-    one of the L columns (the -inf tail too), so its cost has an O(L) store part.
-    ``fp8_bytes=True`` forces the sm_80 path (e4m3 passed as bytes, decoded in-kernel);
-    ``config`` overrides fields of :data:`LOGITS_CONFIGS` (the tuner's sweep); ``out``, a
-    preallocated fp32 [B, S_q, L] to write into; ``info``, a dict that receives the grid
-    and the compiled kernel's registers, spills and shared memory.
-
-    Explained in notebooks/03_indexer_capping.ipynb.
+    Inputs as :func:`dsv4lab.ops.indexer_logits` (checked there). Writes every one of the L
+    columns (the -inf tail too), so its cost has an O(L) store part. ``out``: a preallocated
+    fp32 [B, S_q, L] to write into; ``config``: a launch shape instead of the device's
+    (the tuner's sweep); ``props``: plan for another device than q's (tests: the sm_80
+    byte path in the interpreter).
     """
     B, S = q.shape[:2]
     if out is None:
         out = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
-    return _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L, True,
-                          fp8_bytes, config=config, info=info)
+    _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L,
+                   fill_tail=True, skip_upto=-1, config=config, props=props)
+    return out
 
 
 def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, topk, *,
-                 fp8_bytes=None, config=None, scratch=None, info=None):
+                 scratch=None, config: LogitsConfig | None = None,
+                 props: DeviceProps | None = None):
     """Top-``topk`` logical positions int32 [B, S_q, topk], -1 padded; O(actual length).
 
-    The logits go to an uninitialised [B, S_q, L] fp32 scratch (``scratch``: one to reuse,
-    e.g. shared by several captured graphs; else allocated) of which only the visible
-    prefix of rows with more than ``topk`` entries is written and read (a row that keeps
-    everything needs no scores, so nothing of it is written). The grids depend on shapes
-    only, nothing reads back to the host: capturable in a CUDA graph. ``info``, a dict
-    that receives both launches' grids, constexprs and integer specialisations (with
-    ``logits_`` / ``topk_`` prefixes).
-
-    Explained in notebooks/03_indexer_capping.ipynb.
+    The logits go to an uninitialised [B, S_q, L] fp32 ``scratch`` (one to reuse, e.g. shared
+    by several captured graphs; else allocated) of which only the visible prefix of rows with
+    more than ``topk`` entries is written and read. The grids depend on shapes only and
+    nothing reads back to the host: capturable in a CUDA graph. ``config``, ``props``: as
+    :func:`indexer_logits`.
     """
     B, S = q.shape[:2]
     # the result first: its place in the allocator's pool must not depend on L's scratch
@@ -485,24 +482,52 @@ def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, top
     elif (scratch.shape != (B, S, L) or scratch.dtype != torch.float32
           or not scratch.is_contiguous() or scratch.device != q.device):
         raise ValueError(f"scratch must be a contiguous float32 [B, S_q, L] = {(B, S, L)} on "
-                         f"{q.device}, got {scratch.dtype} {tuple(scratch.shape)} on "
-                         f"{scratch.device}")
-    linfo = {} if info is not None else None
-    _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, scratch, L, False,
-                   fp8_bytes, skip_upto=topk, config=config, info=linfo)
-    interp = _interpreting(q.device)
-    BLOCK = 64 if interp else 2048
-    FILL = min(triton.next_power_of_2(topk), 64 if interp else 1024)
-    num_warps = 4 if interp else 8
-    n_bound = min(L, block_table.shape[1] * k_cache.shape[1])
-    _topk_kernel[(B * S,)](
-        scratch, context_lens, out,
-        S, L, n_bound,
-        context_lens.stride(0), context_lens.stride(1),
-        TOPK=topk, BLOCK=BLOCK, FILL=FILL, num_warps=num_warps)
-    if info is not None:
-        info.update({f"logits_{k}": v for k, v in linfo.items()})
-        info.update(topk_grid=(B * S,), topk_constexprs=dict(TOPK=topk, BLOCK=BLOCK, FILL=FILL),
-                    topk_num_warps=num_warps,
-                    topk_int_specialization=_int_specialization(stride_lr=L, n_bound=n_bound))
+                         f"{q.device}, got {scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
+    lp = _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, scratch, L,
+                        fill_tail=False, skip_upto=topk, config=config, props=props)
+    plan = topk_plan(_interpreted(q.device), B * S, L, lp.n_bound, topk)
+    topk_kernel[plan.grid](scratch, context_lens, out, S, L, plan.n_bound,
+                           context_lens.stride(0), context_lens.stride(1), **plan.meta)
     return out
+
+
+# -------------------------------------------------------------------- offline compiles
+
+_TYPES = {FP8: "*fp8e4nv", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+
+
+def _case(name, fn, meta, ptrs, ints, out_ptr="*fp32") -> Case:
+    """A launch as Triton specialises it: ints equal to 1 become constants, ints divisible
+    by 16 get the divisibility hint, like 16-byte aligned pointers."""
+    consts = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
+    consts.update({k: 1 for k, v in ints.items() if v == 1})
+    aligned = ("*",) + tuple(k for k, v in ints.items() if v != 1 and v % 16 == 0)
+    return Case(name, fn, consts, types=dict(ptrs), pointer=out_ptr, aligned=aligned,
+                num_warps=meta["num_warps"], num_stages=meta.get("num_stages", 3))
+
+
+def offline_cases(props: DeviceProps) -> list[Case]:
+    """The launches "auto" makes on ``props`` at DeepSeek-V4-Flash's indexer shape (64 heads x
+    128 dims, pages of 64, 1M tokens of max context = 262,144 entries), top-512, for B 1 and
+    64 (top-k) and B 64 (logits), with e4m3, bf16 and fp32 operands."""
+    H, D, page, L, topk = 64, 128, 64, 262144, 512
+    pairs = [(FP8, FP8), (torch.bfloat16, FP8), (torch.bfloat16, torch.bfloat16),
+             (torch.float32, torch.float32)]
+    cases = []
+    for q_dt, k_dt in pairs:
+        for B, fill in ((1, False), (64, False), (64, True)):
+            plan = logits_plan(props, False, B, 1, H, D, page, L // page, L, q_dt, k_dt, fill)
+            u8 = "*u8"
+            ptrs = dict(q_ptr=u8 if plan.q_u8 else _TYPES[q_dt], k_ptr=u8 if plan.k_u8 else _TYPES[k_dt],
+                        bt_ptr="*i32", cl_ptr="*i32")
+            ints = dict(S=1, H=H, L=L, n_bound=plan.n_bound, skip_upto=-1 if fill else topk,
+                        stride_qb=H * D, stride_qs=H * D, stride_qh=D, stride_wb=H, stride_ws=H,
+                        stride_btb=L // page, stride_clb=1, stride_cls=1)
+            name = f"logits {DOT_NAMES[plan.meta['DOT']]} dot, q {_KEY_NAMES[q_dt]} k {_KEY_NAMES[k_dt]}, " \
+                   f"B {B}{', -inf tail' if fill else ''}"
+            cases.append(_case(name, logits_kernel, plan.meta, ptrs, ints))
+    plan = topk_plan(False, 64, L, L, topk)
+    cases.append(_case("topk_kernel, top-512", topk_kernel, plan.meta,
+                       dict(cl_ptr="*i32", out_ptr="*i32"),
+                       dict(S=1, stride_lr=L, n_bound=L, stride_clb=1, stride_cls=1)))
+    return cases

@@ -1,5 +1,9 @@
-"""mHC (manifold-constrained hyper-connections), the per-token mixing math fused.
+"""
+mHC (manifold-constrained hyper-connections): the per-token mixing math, fused
+==============================================================================
 
+The idea
+--------
 DeepSeek-V4 keeps ``n`` (4) residual streams per token. Around each sub-block a
 hyper-connection computes, per token, from the flattened streams ``xf = x.flatten()``
 (``n * d`` values)::
@@ -19,38 +23,35 @@ of (row, column) normalisation. In torch that is 20 iterations of tiny ops on [T
 tensors plus the sigmoids and reductions: hundreds of kernel launches per layer, which
 cost more than the math (a few KB per token). Here:
 
-- ``mhc_pre``: one program per (token, d-slice). It reads the token's streams once for
-  the sum of squares, does the whole n x n Sinkhorn in registers, stores ``post`` and
-  ``comb`` (first slice only), and writes its slice of ``y``. The ``xf @ fn.T`` matmul
-  (``n*d`` x ``(2+n)*n``) stays with cuBLAS: it is a real GEMM over a weight that does
-  not fit one program. ``HEAD=True`` is the model's final reduction (pre weights only,
-  no ``scale``).
-- ``mhc_post``: one program per (token, d-block): ``n`` rows of ``post * out + comb @ x``.
+- :func:`mhc_pre_kernel`: one program per (token, d-slice). It reads the token's streams
+  once for the sum of squares, does the whole n x n Sinkhorn in registers, stores ``post``
+  and ``comb`` (first slice only), and writes its slice of ``y``. The ``xf @ fn.T`` matmul
+  stays outside: it is a real GEMM over a weight that does not fit one program.
+  ``HEAD=True`` is the model's final reduction (pre weights only, no ``scale``).
+- :func:`mhc_post_kernel`: one program per (token, d-block): ``n`` rows of
+  ``post * out + comb @ x``.
 
-The two passes over a token's streams in ``mhc_pre`` are ``tl.range(..., num_stages=3)``
-loops: without a ``tl.dot`` in the loop the pipeliner leaves loads alone unless asked;
-asked, the sm_90 TTGIR shows ``async_copy_global_to_local`` into 3 shared buffers.
-
-Both use a fixed grid, no host synchronisation and no data-dependent shapes (safe inside
-CUDA-graph capture), fp32 math, and run in Triton's interpreter at tiny shapes.
+The two passes over a token's streams in ``mhc_pre_kernel`` are ``tl.range(...,
+num_stages=...)`` loops: with no ``tl.dot`` in a loop the pipeliner leaves its loads alone
+unless asked. Both kernels use a fixed grid, no host synchronisation and no data-dependent
+shapes (safe inside CUDA-graph capture), fp32 math, and run in Triton's interpreter.
 Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.kernels.device import sm_count
+from dsv4lab.kernels.device import DeviceProps, Route, props as device_props
+from dsv4lab.kernels.offline import Case
 
 
 @triton.jit
-def _mhc_pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
-                    D, iters, eps, blocks_per_split,
-                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HEAD: tl.constexpr, STAGES: tl.constexpr):
+def mhc_pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_ptr,
+                   D, iters, eps, blocks_per_split,
+                   N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD: tl.constexpr, STAGES: tl.constexpr):
     """x [T, N, D] (any float), mixes [T, M] fp32 (xf @ fn.T, not yet scaled), y [T, D]."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -120,8 +121,8 @@ def _mhc_pre_kernel(x_ptr, mix_ptr, base_ptr, scale_ptr, y_ptr, post_ptr, comb_p
 
 
 @triton.jit
-def _mhc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D,
-                     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
+def mhc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D,
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr):
     """y[t, i, :] = post[t, i] * out[t, :] + sum_j comb[t, i, j] * res[t, j, :]."""
     t = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
@@ -139,20 +140,47 @@ def _mhc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D,
         tl.store(y_ptr + t * N * D + i * D + c, y.to(y_ptr.dtype.element_ty), mask=cm)
 
 
-# ------------------------------------------------------------------------- launchers
+# ------------------------------------------------------------------- the dispatch table
 
-_PRE_STAGES = [3]        # loop pipelining depth of mhc_pre's two passes (1 = none)
+TABLES = {
+    "mhc_pre": (Route("mhc_pre_kernel", None, "every shape (after the xf @ fn.T matmul)",
+                      "one launch instead of the reference's ~hundred tiny ops (`dsv4lab bench mhc`)"),),
+    "mhc_head": (Route("mhc_pre_kernel, HEAD", None, "every shape (after the xf @ fn.T matmul)",
+                       "the final reduction: pre weights only, one launch"),),
+    "mhc_post": (Route("mhc_post_kernel", None, "every shape",
+                       "one launch for post * out + comb @ x (`dsv4lab bench mhc`)"),),
+}
+
+STAGES = 3            # pipeline depth of mhc_pre_kernel's two passes over the streams
+NUM_WARPS = 4
+
+
+def pre_launch(T: int, n: int, d: int, props: DeviceProps, *, block_d: int | None = None,
+               split: int | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_D, split, blocks_per_split)`` of :func:`mhc_pre_kernel`: ``split`` d-slices
+    per token, enough programs to give every SM two (each slice re-reads the token's streams
+    for the sum of squares, from L2). ``block_d`` and ``split`` override the choice."""
+    np2 = triton.next_power_of_2(n)
+    BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 2048 // np2))
+    n_blocks = triton.cdiv(d, BLOCK_D)
+    if split is None:
+        split = max(1, min(n_blocks, triton.cdiv(2 * props.sm_count, T)))
+    split = max(1, min(split, n_blocks))
+    per = triton.cdiv(n_blocks, split)
+    return BLOCK_D, triton.cdiv(n_blocks, per), per
+
+
+def post_block(n: int, d: int) -> int:
+    """BLOCK_D of :func:`mhc_post_kernel`: n rows of BLOCK_D values, 1024 in all."""
+    return max(16, min(triton.next_power_of_2(d), 1024 // triton.next_power_of_2(n)))
 
 
 def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor | None,
-            iters: int, eps: float, *, block_d: int | None = None, split: int | None = None):
+            iters: int, eps: float, *, block_d: int | None = None, split: int | None = None,
+            props: DeviceProps | None = None):
     """x [T, n, d] contiguous, mixes [T, M] fp32 (``xf @ fn.T``), base [M] fp32, scale [3]
     fp32 (None: the head, M = n) -> (y [T, d] x.dtype, post [T, n] fp32, comb [T, n, n] fp32)
-    (post and comb are None for the head).
-
-    ``split`` d-slices per token (default: enough programs to fill the GPU); each slice
-    re-reads the token's streams for the sum of squares (from L2) and writes its part of y.
-    """
+    (post and comb are None for the head). ``block_d``, ``split``: see :func:`pre_launch`."""
     T, n, d = x.shape
     head = scale is None
     y = torch.empty((T, d), dtype=x.dtype, device=x.device)
@@ -160,26 +188,13 @@ def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: tor
     comb = None if head else torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    NP = triton.next_power_of_2(n)
-    BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 2048 // NP))
-    n_blocks = triton.cdiv(d, BLOCK_D)
-    if split is None:
-        split = max(1, min(n_blocks, triton.cdiv(2 * sm_count(x.device, cpu=1), T)))
-    split = max(1, min(split, n_blocks))
-    per = triton.cdiv(n_blocks, split)
-    split = triton.cdiv(n_blocks, per)
-    args = (x, mixes, base, scale if not head else base, y,
-            post if not head else y, comb if not head else y, d, int(iters), float(eps), per)
-    meta = dict(N=n, NP=NP, BLOCK_D=BLOCK_D, HEAD=head, num_warps=4)
-    try:
-        _mhc_pre_kernel[(T, split)](*args, STAGES=_PRE_STAGES[0], **meta)
-    except Exception as e:                      # a compiler that cannot pipeline these loads
-        if _PRE_STAGES[0] == 1:
-            raise
-        warnings.warn(f"mhc_pre: pipelined ({_PRE_STAGES[0]}-stage) kernel failed to build "
-                      f"({type(e).__name__}: {str(e)[:200]}); using the unpipelined one")
-        _PRE_STAGES[0] = 1
-        _mhc_pre_kernel[(T, split)](*args, STAGES=1, **meta)
+    BLOCK_D, split, per = pre_launch(T, n, d, props or device_props(x.device), block_d=block_d,
+                                     split=split)
+    mhc_pre_kernel[(T, split)](
+        x, mixes, base, scale if not head else base, y,
+        post if not head else y, comb if not head else y, d, int(iters), float(eps), per,
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D, HEAD=head, STAGES=STAGES,
+        num_warps=NUM_WARPS)
     return y, post, comb
 
 
@@ -191,8 +206,33 @@ def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb
     y = torch.empty_like(residual)
     if T == 0:
         return y
-    NP = triton.next_power_of_2(n)
-    BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 1024 // NP))
-    _mhc_post_kernel[(T, triton.cdiv(d, BLOCK_D))](
-        out, residual, post, comb, y, d, N=n, NP=NP, BLOCK_D=BLOCK_D, num_warps=4)
+    BLOCK_D = block_d or post_block(n, d)
+    mhc_post_kernel[(T, triton.cdiv(d, BLOCK_D))](
+        out, residual, post, comb, y, d, N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D,
+        num_warps=NUM_WARPS)
     return y
+
+
+# -------------------------------------------------------------------- offline compiles
+
+def offline_cases(props: DeviceProps) -> list[Case]:
+    """The launches on ``props`` at DeepSeek-V4-Flash's shape: hidden 4096, 4 streams, bf16
+    streams, 20 Sinkhorn iterations, T 1 and 64 tokens; pre, head and post."""
+    n, d, np2 = 4, 4096, 4
+    cases = []
+    for T in (1, 64):
+        BLOCK_D, _, per = pre_launch(T, n, d, props)
+        for head in (False, True):
+            consts = dict(N=n, NP=np2, BLOCK_D=BLOCK_D, HEAD=head, STAGES=STAGES)
+            if per == 1:                 # Triton makes an int argument of 1 a constant
+                consts["blocks_per_split"] = 1
+            if head:
+                consts["iters"] = 1
+            cases.append(Case(f"mhc_pre_kernel{', HEAD' if head else ''}, T {T}", mhc_pre_kernel,
+                              consts, types=dict(x_ptr="*bf16", y_ptr="*bf16", eps="fp32"),
+                              aligned=("*", "D"), num_warps=NUM_WARPS))
+        cases.append(Case(f"mhc_post_kernel, T {T}", mhc_post_kernel,
+                          dict(N=n, NP=np2, BLOCK_D=post_block(n, d)),
+                          types=dict(out_ptr="*bf16", res_ptr="*bf16", y_ptr="*bf16"),
+                          aligned=("*", "D"), num_warps=NUM_WARPS))
+    return cases

@@ -1,8 +1,10 @@
 """The lightning indexer (dsv4lab.ops.indexer, dsv4lab.kernels.indexer).
 
 CPU: Triton interpreter, tiny shapes (4 heads x 32 dims, pages of 16 or odd sizes).
+Also the dispatch table and the launch configurations per capability (DeviceProps), the sm_80
+byte-decode route (planned for sm_80, run in the interpreter), and the value checks.
 GPU (@pytest.mark.gpu): the DeepSeek-V4 shape (64 x 128), long rows that take the radix
-select, the sm_80 byte-decode path, and the CUDA-graph replay with new lengths and
+select, the sm_80 byte-decode route, and the CUDA-graph replay with new lengths and
 block tables.
 
 Tolerances (vs the fp32 torch reference, relative to the row's largest |logit|; in the
@@ -28,6 +30,7 @@ from hypothesis import strategies as st
 
 from dsv4lab import backends, bench
 from dsv4lab.kernels import indexer as K
+from dsv4lab.kernels.device import CAPABILITIES, DeviceProps, choose
 from dsv4lab.ops import indexer_logits, indexer_topk, to_cache_slots
 from dsv4lab.ops.indexer import reference_logits
 
@@ -40,6 +43,8 @@ TOL_GPU = {F32: 1e-4, BF16: 1e-4, FP8: 2e-2}
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")]
+CPU_PROPS = DeviceProps.cpu()
+SM80 = DeviceProps.nominal((8, 0))
 
 
 def make(B=2, S=1, H=4, D=32, page=16, max_pages=4, ctx=None, q_dtype=F32, k_dtype=FP8,
@@ -133,33 +138,44 @@ def test_logits_match_reference(q_dtype, k_dtype):
     assert torch.isneginf(out[0, 0]).all()           # a zero-length row is all -inf
 
 
+def _plan(args, L, *, fill_tail=True, props=CPU_PROPS, config=None):
+    q, k, _, _, bt, _ = args
+    B, S, H, D = q.shape
+    return K.logits_plan(props, not CUDA, B * S, S, H, D, k.shape[1], bt.shape[1], L, q.dtype,
+                         k.dtype, fill_tail, config)
+
+
 def test_bf16_dot_is_upcast_in_interpreter():
     """Triton's interpreter returns garbage for bf16 x bf16 tl.dot: the kernel must upcast.
 
-    If dot_mode ever picked bf16 tiles under the interpreter, the bf16 logits test above
-    (and this one, at a larger head dim) would fail.
+    If the plan ever kept bf16 tiles under the interpreter (whatever device it plans for),
+    the bf16 logits test above (and this one, at a larger head dim) would fail.
     """
-    if not K._interpreting(torch.device(DEV)):
+    if CUDA:
         pytest.skip("interpreter only")
-    assert K.dot_mode(BF16, BF16, torch.device("cpu")) == K.DOT_FP32
-    assert K.dot_mode(FP8, FP8, torch.device("cpu")) == K.DOT_FP32
     args = make(B=2, S=1, H=16, D=64, q_dtype=BF16, k_dtype=BF16, ctx=[[64], [31]])
+    for props in (CPU_PROPS, SM80, DeviceProps.nominal((9, 0))):
+        assert _plan(args, 64, props=props).meta["DOT"] == K.DOT_FP32
     assert_logits_close(indexer_logits(*args, backend="triton"), reference_logits(*args, 64),
                         TOL_INTERPRETER)
 
 
-def test_fp8_byte_decode_path_all_codes():
-    """The sm_80 path (e4m3 as bytes, decoded in-kernel) on every finite e4m3 code."""
+def test_fp8_byte_decode_route_all_codes():
+    """The sm_80 route (e4m3 passed as bytes, decoded in the kernel) on every finite e4m3
+    code: planned for an sm_80 device, run here (the interpreter, or this GPU)."""
     codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
     q, _, ks, w, bt, ctx = make(B=2, S=1, H=4, D=32, page=16, max_pages=4, ctx=[[64], [50]],
                                 q_dtype=FP8, k_dtype=FP8)
     P = ks.shape[0]
     k = codes.repeat(P * 16 * 32 // codes.numel() + 1)[: P * 16 * 32].reshape(P, 16, 32)
     k = k.to(q.device).view(FP8)
-    ref = reference_logits(q, k, ks, w, bt, ctx, 64)
-    out = K.indexer_logits(q, k, ks, w, bt, ctx, 64, fp8_bytes=True)
+    args = (q, k, ks, w, bt, ctx)
+    plan = _plan(args, 64, props=SM80)
+    assert plan.q_u8 and plan.k_u8
+    ref = reference_logits(*args, 64)
+    out = K.indexer_logits(*args, 64, props=SM80)
     assert_logits_close(out, ref, tol_for(BF16, BF16, q.device))
-    idx = K.indexer_topk(q, k, ks, w, bt, ctx, 64, 16, fp8_bytes=True)
+    idx = K.indexer_topk(*args, 64, 16, props=SM80)
     check_topk(idx, ref, ctx, 16, tol_for(BF16, BF16, q.device))
 
 
@@ -194,28 +210,37 @@ def test_topk_all_ties_and_all_negative():
 
 def test_logits_grid_saturates_at_h200_shapes():
     """The one way L enters the logits grid (the cap at cdiv(L, block_n) tiles) is gone
-    from 8K tokens up: at the bench's H200 shape (64 rows, 132 SMs, fp8 config) the grid
-    is the same at 8K, 32K, 128K and 1M max-context tokens (2,048 .. 262,144 entries)."""
-    cfg = K.logits_config(K.DOT_FP8, FP8)
-    per_row = cfg["programs_per_sm"] * 132 // 64
-    splits = {L: K.logits_splits(64, L, cfg["block_n"], cfg["programs_per_sm"], 132)
-              for L in (2048, 8192, 32768, 262144)}
-    assert set(splits.values()) == {per_row}, splits
-    assert K.logits_splits(64, 1024, cfg["block_n"], cfg["programs_per_sm"], 132) < per_row
+    from 8K tokens up: at the bench's H200 shape (64 rows, fp8 config) the grid is the same
+    at 8K, 32K, 128K and 1M max-context tokens (2,048 .. 262,144 entries)."""
+    h200 = DeviceProps.nominal((9, 0))
+    grids = {L: K.logits_plan(h200, False, 64, 1, 64, 128, 64, L // 64, L, FP8, FP8, False).grid
+             for L in (2048, 8192, 32768, 262144)}
+    cfg = K.logits_config(K.DOT_FP8, FP8, h200)
+    per_row = cfg.programs_per_sm * h200.sm_count // 64
+    assert set(grids.values()) == {(64, per_row)}, grids
+    assert K.logits_splits(64, 1024, cfg.block_n, cfg.programs_per_sm, h200.sm_count) < per_row
+
+
+def _int_specialisation(*ints):
+    """How Triton specialises integer arguments (== 1, divisible by 16)."""
+    return [(v == 1, v % 16 == 0) for v in ints]
 
 
 def test_topk_launches_and_result_independent_of_max_context():
     """Same actual lengths, max context 256 vs 4,096 entries: identical grids, constexprs
     and integer specialisations (so one compiled kernel and the same work), same result."""
     q, k, ks, w, bt, ctx = make(B=2, S=2, page=16, max_pages=256, ctx=[[40, 7], [16, 0]])
-    infos, outs = [], []
+    launches, outs = [], []
     for L in (256, 4096):
-        info = {}
         bt_l = bt[:, : L // 16].contiguous()
-        outs.append(K.indexer_topk(q, k, ks, w, bt_l, ctx, L, 16, info=info))
-        infos.append(info)
-    assert infos[0] == infos[1]
-    assert infos[0]["logits_grid"][1] > 1 and infos[0]["topk_grid"] == (4,)
+        args = (q, k, ks, w, bt_l, ctx)
+        lp = _plan(args, L, fill_tail=False)
+        tp = K.topk_plan(not CUDA, 4, L, lp.n_bound, 16)
+        launches.append((lp.grid, lp.meta, tp.grid, tp.meta,
+                         _int_specialisation(L, lp.n_bound, bt_l.stride(0))))
+        outs.append(K.indexer_topk(*args, L, 16))
+    assert launches[0] == launches[1]
+    assert launches[0][0][1] > 1 and launches[0][2] == (4,)
     assert torch.equal(outs[0], outs[1])
     check_topk(outs[0], reference_logits(q, k, ks, w, bt, ctx, 256), ctx, 16, TOL_INTERPRETER)
 
@@ -231,10 +256,9 @@ def test_topk_writes_no_logits_for_rows_that_keep_everything():
     idx = K.indexer_topk(q, k, ks, w, bt, small, L, topk, scratch=scratch)
     assert torch.isnan(scratch).all(), "a row with n <= topk wrote logits"
     check_topk(idx, reference_logits(q, k, ks, w, bt, small, L), small, topk, TOL_INTERPRETER)
-    info = {}
-    idx = K.indexer_topk(q, k, ks, w, bt, ctx, L, topk, scratch=scratch, info=info)
+    idx = K.indexer_topk(q, k, ks, w, bt, ctx, L, topk, scratch=scratch)
     check_topk(idx, ref, ctx, topk, TOL_INTERPRETER)
-    bn = info["logits_block_n"]
+    bn = _plan((q, k, ks, w, bt, ctx), L, fill_tail=False).meta["BLOCK_N"]
     for b in range(3):
         for s in range(2):
             n = int(ctx[b, s])
@@ -274,11 +298,11 @@ def test_sweep_shapes(B, S, page, max_pages, topk, dt, seed, data):
     check_topk(indexer_topk(*args, topk=topk, backend="triton"), ref, args[5], topk, tol, own, mag)
 
 
-# non-default launch shapes of the logits kernel (what scripts/tune_indexer.py sweeps)
+# launch shapes other than the device's (what tools/tune_indexer.py sweeps)
 CONFIG_VARIANTS = [
-    dict(block_d=None, contiguous=True, programs_per_sm=1),     # runs of tiles, few splits
-    dict(block_d=None, contiguous=False, programs_per_sm=64),   # more splits than tiles
-    dict(block_d=16, contiguous=True, programs_per_sm=3),       # head dim in two chunks
+    K.LogitsConfig(16, None, 4, 2, 1),      # q^T resident, few splits
+    K.LogitsConfig(16, None, 4, 2, 64),     # more splits than tiles
+    K.LogitsConfig(32, 16, 4, 3, 3),        # the head dim in two chunks
 ]
 
 
@@ -293,40 +317,53 @@ def test_config_variants(config):
                tol_for(BF16, FP8, args[0].device), own)
 
 
-def test_every_shipped_and_swept_config_compiles_on_gpu_targets():
-    """The interpreter runs any tile shape; the CUDA compiler does not (tl.dot needs K >= 16,
-    >= 32 for 8-bit operands). check_logits_config encodes those rules: every
-    LOGITS_CONFIGS entry, for every operand pair and dot that can select it, and every
-    candidate of scripts/tune_indexer.py must pass; the launcher rejects the rest before
-    any kernel runs (the 2026-11-29 sweep's block_d=8 fp32 configs failed to compile)."""
-    import importlib.util
-    import pathlib
-    assert K.gpu_dot_modes(FP8, FP8) == [K.DOT_FP8, K.DOT_BF16]
-    assert K.gpu_dot_modes(BF16, FP8) == [K.DOT_BF16] and K.gpu_dot_modes(FP8, F32) == [K.DOT_FP32]
-    for q_dt, k_dt in itertools.product((FP8, BF16, F32), repeat=2):
-        for mode in K.gpu_dot_modes(q_dt, k_dt) + [K.DOT_FP32]:   # + the interpreter's
-            K.check_logits_config(K.logits_config(mode, k_dt), mode)
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "tune_indexer.py"
-    spec = importlib.util.spec_from_file_location("tune_indexer", path)
-    tuner = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tuner)
-    tuner.setup()
-    tuner.check_candidates()                        # sys.exit with the reason on a bad one
-    assert len(tuner.CANDIDATES) > 10
+def test_dispatch_table_per_capability():
+    """The route each GPU takes: e4m3 tensor cores from sm_89, bf16 on sm_80 (bytes decoded
+    in the kernel), fp32 for an fp32 operand and in the interpreter."""
+    want = {(8, 0): "bf16", (8, 9): "fp8", (9, 0): "fp8", (10, 0): "fp8", (12, 0): "fp8"}
+    for cap in CAPABILITIES:
+        p = DeviceProps.nominal(cap)
+        assert K.DOT_NAMES[K.dot_path(FP8, FP8, p)] == want[cap]
+        assert K.dot_path(BF16, FP8, p) == K.dot_path(FP8, BF16, p) == K.DOT_BF16
+        assert K.dot_path(F32, FP8, p) == K.DOT_FP32
+        for op, table in K.TABLES.items():
+            assert table[-1].capabilities is None           # the portable lesson kernel last
+            assert choose(table, p) is table[K.dot_path(FP8, FP8, p)]
+    assert K.dot_path(FP8, FP8, CPU_PROPS) == K.DOT_FP32
+    assert set(K.TABLES) == {"indexer_logits", "indexer_topk"}
+
+
+def test_configs_come_from_the_device():
+    """A tuned entry where one was measured (sm_90), the portable rule elsewhere; every
+    config of every capability passes the compile rules; a GPU with little shared memory
+    gets fewer pipeline stages, never a config that cannot fit."""
+    for cap in CAPABILITIES:
+        p = DeviceProps.nominal(cap)
+        for q_dt, k_dt in itertools.product((FP8, BF16, F32), repeat=2):
+            dot = K.dot_path(q_dt, k_dt, p)
+            K.check_config(K.logits_config(dot, k_dt, p), dot)
+    h200 = DeviceProps.nominal((9, 0))
+    assert K.logits_config(K.DOT_BF16, FP8, h200) == K.TUNED[(9, 0)][("bf16", "fp8")]
+    assert K.logits_config(K.DOT_FP8, FP8, h200) == K.TUNED[(9, 0)][("fp8", "*")]
+    roomy = K.logits_config(K.DOT_BF16, BF16, DeviceProps.nominal((12, 0)))
+    small = K.logits_config(K.DOT_BF16, BF16, DeviceProps((12, 0), 188, 48 * 1024, "small"))
+    assert roomy.num_stages == 3 and 1 <= small.num_stages < roomy.num_stages
 
 
 @pytest.mark.parametrize("bad,field", [
     (dict(block_d=8), "block_d"), (dict(block_d=24), "block_d"), (dict(block_n=8), "block_n"),
     (dict(block_n=96), "block_n"), (dict(num_warps=3), "num_warps"),
-    (dict(fp32_precision="tf32x9"), "fp32_precision"), (dict(programs_per_sm=0), "programs_per_sm"),
-    (dict(blockn=64), "unknown")])
+    (dict(num_stages=0), "num_stages"), (dict(programs_per_sm=0), "programs_per_sm")])
 def test_bad_launch_config_rejected_before_the_kernel(bad, field):
     args = make(B=2, S=1, ctx=[[10], [20]], q_dtype=F32)
+    cfg = K.LogitsConfig(**{**K.LogitsConfig(64, 16, 4, 2, 8).__dict__, **bad})
     with pytest.raises(ValueError, match=field):
-        K.indexer_logits(*args, 64, config=bad)
+        K.indexer_logits(*args, 64, config=cfg)
+    with pytest.raises(ValueError, match="LogitsConfig"):
+        K.indexer_logits(*args, 64, config=dict(block_n=64))
     with pytest.raises(ValueError, match="block_d"):  # an e4m3 x e4m3 dot needs K >= 32
-        K.check_logits_config(dict(K.LOGITS_CONFIGS[("fp8", "*")], block_d=16), K.DOT_FP8)
-    K.check_logits_config(dict(K.LOGITS_CONFIGS[("fp8", "*")], block_d=16), K.DOT_BF16)
+        K.check_config(K.LogitsConfig(128, 16, 4, 2, 8), K.DOT_FP8)
+    K.check_config(K.LogitsConfig(128, 16, 4, 2, 8), K.DOT_BF16)
 
 
 def test_to_cache_slots():
@@ -397,6 +434,37 @@ def test_bad_inputs_name_the_argument(change, name):
             indexer_logits(*kw.values(), backend="triton", **extra)
 
 
+def test_validate_false_skips_the_value_checks_only():
+    """validate=False skips the value checks (one host read) and nothing else: the shape and
+    dtype checks stay; the torch reference clamps a bad page id instead of failing."""
+    kw, _ = _bad(block_table=torch.full((2, 4), 99, dtype=torch.int32))
+    kw = {k: v.to(DEV) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=r"block_table .* got 99"):
+        indexer_topk(*kw.values(), backend="torch_fallback")
+    assert indexer_topk(*kw.values(), backend="torch_fallback", validate=False).shape == (2, 1, 512)
+    assert indexer_logits(*kw.values(), backend="torch_fallback", validate=False).shape == (2, 1, 64)
+    with pytest.raises(ValueError, match="weights"):
+        indexer_logits(*list(kw.values())[:3], kw["weights"][:, :, :2], *list(kw.values())[4:],
+                       validate=False)
+    with pytest.raises(ValueError, match="validate"):
+        indexer_logits(*kw.values(), validate="yes")
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    far = torch.full((2, 1, 4), 48, dtype=torch.int32)
+    assert to_cache_slots(far, bt, 16, validate=False).shape == (2, 1, 4)
+
+
+def test_value_checks_see_only_visible_pages():
+    """Pages past a row's longest context may hold anything (-1 here): not read, not checked;
+    a bad id on a visible page is refused."""
+    args = make(B=2, S=2, ctx=[[20, 3], [0, 0]], unused=-1)
+    assert (args[4] == -1).any()
+    indexer_topk(*args, topk=4, backend="torch_capped")
+    bt = args[4].clone()
+    bt[0, 1] = -1                                    # row 0 sees entries 0..19: pages 0 and 1
+    with pytest.raises(ValueError, match="block_table"):
+        indexer_topk(*args[:4], bt, args[5], topk=4, backend="torch_capped")
+
+
 def test_bad_inputs_to_cache_slots():
     bt = torch.zeros(2, 3, dtype=torch.int32)
     idx = torch.zeros(2, 1, 4, dtype=torch.int32)
@@ -410,6 +478,37 @@ def test_bad_inputs_to_cache_slots():
         to_cache_slots(idx, bt[:1], 16)
     with pytest.raises(ValueError, match="block_table"):
         to_cache_slots(idx, bt.long(), 16)
+
+
+def test_bench_smoke_rows_and_figures():
+    """``dsv4lab bench indexer --smoke``: every backend, eager and graph rows labelled by
+    ``mode``, the fields the targets and plots read; the figures draw the smoke rows and the
+    recorded ones (rows from before ``mode`` existed included)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from dsv4lab import benchmarks, results
+    from dsv4lab.plots import indexer as P
+    from dsv4lab.widgets import indexer as WI
+    rows = benchmarks.run("indexer", smoke=True, record=False)
+    seen = {(r["kind"], r["backend"], r["mode"]) for r in rows}
+    assert seen == {("topk_vs_max_context", b, "eager") for b in ("torch_fallback", "torch_capped", "triton")} | {
+        ("topk_vs_max_context", "triton", "graph"), ("logits_roofline", "triton", "eager"),
+        ("logits_roofline", "triton", "graph"), ("matmul_dtype", "triton", "graph")}
+    for r in rows:
+        for field in ("op", "backend", "actual_tokens", "max_context_tokens", "q_dtype", "k_dtype",
+                      "ms", "roofline_fraction"):
+            assert field in r, field
+    recorded = [r for r in results.load("indexer") if not r.get("smoke")]
+    assert {P.mode_of(r) for r in recorded} <= {"eager", "graph"}
+    for data, smoke in ((rows, True), (recorded, False)):
+        fig, ax = plt.subplots(1, 3)
+        P.plot_topk_vs_max_context(data, ax=ax[0], smoke=smoke)
+        P.plot_dtype_flips(data, ax=ax[1], smoke=smoke)
+        P.plot_decode_share(data, ax=ax[2])
+        plt.close(fig)
+    html = WI.table_html(recorded, 1048576, 512)
+    assert "torch_fallback" in html and "triton" in html
 
 
 # ------------------------------------------------------------------------------ GPU
@@ -436,9 +535,9 @@ def test_gpu_full_shape_logits_and_topk(q_dtype, k_dtype, S):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("config,q_dtype,k_dtype", [
-    (CONFIG_VARIANTS[0], FP8, FP8), (CONFIG_VARIANTS[1], FP8, FP8),
-    (dict(block_n=256, num_warps=8), FP8, FP8), (dict(block_n=64, num_stages=4), FP8, FP8),
-    (CONFIG_VARIANTS[0], BF16, FP8), (CONFIG_VARIANTS[2], F32, FP8)])
+    (K.LogitsConfig(128, None, 4, 3, 1), FP8, FP8), (K.LogitsConfig(128, None, 4, 2, 64), FP8, FP8),
+    (K.LogitsConfig(256, None, 8, 3, 8), FP8, FP8), (K.LogitsConfig(64, None, 4, 4, 8), FP8, FP8),
+    (K.LogitsConfig(64, None, 4, 3, 1), BF16, FP8), (K.LogitsConfig(64, 32, 4, 2, 3), F32, FP8)])
 def test_gpu_config_variants(config, q_dtype, k_dtype):
     """Launch shapes the tuner sweeps (the tuner also checks each against the reference)."""
     B, page, max_pages = 5, 64, 24
@@ -455,14 +554,16 @@ def test_gpu_config_variants(config, q_dtype, k_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_fp8_byte_path_and_long_rows():
+def test_gpu_fp8_byte_route_and_long_rows():
+    """The sm_80 route (planned for an sm_80 device, run on this GPU) and rows long enough
+    for the radix select, top-512 and top-2048."""
     args = make(B=3, S=1, H=64, D=128, page=64, max_pages=300, ctx=[[19200], [513], [4000]],
                 q_dtype=FP8, k_dtype=FP8, device="cuda")
     L = 64 * 300
     ref = reference_logits(*args, L)
-    own = K.indexer_logits(*args, L, fp8_bytes=True)
+    own = K.indexer_logits(*args, L, props=SM80)
     assert_logits_close(own, ref, TOL_GPU[BF16])
-    check_topk(K.indexer_topk(*args, L, 512, fp8_bytes=True), ref, args[5], 512, TOL_GPU[BF16], own)
+    check_topk(K.indexer_topk(*args, L, 512, props=SM80), ref, args[5], 512, TOL_GPU[BF16], own)
     check_topk(K.indexer_topk(*args, L, 2048), ref, args[5], 2048, TOL_GPU[FP8])
 
 
@@ -502,3 +603,24 @@ def test_gpu_cuda_graph_replay_new_lengths_and_block_tables():
         assert torch.equal(replayed, eager), f"scenario {i}: replay differs from eager"
         ref = reference_logits(q, k, ks, w, bt, ctx, L)
         check_topk(replayed, ref, ctx, topk, TOL_GPU[FP8])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_first_call_plans_from_the_device():
+    """What this GPU reports picks the launch: its route and config fit its shared memory,
+    and an H200 gets the measured entry, the plan the offline compiles (and the recorded
+    rows) describe."""
+    from dsv4lab.kernels.device import props
+    here = props(torch.device("cuda"))
+    for q_dt, k_dt in DTYPES:
+        dot = K.dot_path(q_dt, k_dt, here)
+        cfg = K.logits_config(dot, k_dt, here)
+        K.check_config(cfg, dot)
+        if here.capability == (9, 0):
+            key = (K.DOT_NAMES[dot], "fp8" if dot == K.DOT_BF16 and k_dt == FP8 else "*")
+            assert cfg == K.TUNED[(9, 0)].get(key, K.TUNED[(9, 0)].get((key[0], "*")))
+    args = make(B=64, S=1, H=64, D=128, page=64, max_pages=8, ctx=[[300]] * 64, q_dtype=FP8,
+                k_dtype=FP8, device="cuda")
+    idx = indexer_topk(*args, topk=512, backend="triton")      # a first call: nothing timed first
+    check_topk(idx, reference_logits(*args, 512), args[5], 512, TOL_GPU[FP8])

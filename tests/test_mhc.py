@@ -125,6 +125,23 @@ def test_kernel_blocks_and_slices(block_d, split):
            mhc_post(out, x, post, comb, backend="torch"), torch.bfloat16)
 
 
+def test_launch_shape_comes_from_the_device():
+    """d-slices per token from the SM count (every SM two programs), whole blocks per slice;
+    BLOCK_D from n and d only; one portable route per op."""
+    from dsv4lab.kernels.device import CAPABILITIES, DeviceProps
+    for cap in CAPABILITIES:
+        p = DeviceProps.nominal(cap)
+        assert K.pre_launch(1, 4, 4096, p) == (512, 8, 1)           # 8 blocks of 512, one each
+        block, split, per = K.pre_launch(64, 4, 4096, p)
+        assert block == 512 and split * per >= 8 and (split - 1) * per < 8
+        assert 64 * split <= 2 * p.sm_count + 64                     # ~two programs an SM
+    few = DeviceProps((9, 0), 4, 232448, "four SMs")
+    assert K.pre_launch(1, 4, 4096, few)[1] == 8 and K.pre_launch(64, 4, 4096, few)[1] == 1
+    assert K.post_block(4, 4096) == 256 and K.post_block(3, 70) == 128
+    assert set(K.TABLES) == {"mhc_pre", "mhc_post", "mhc_head"}
+    assert all(t[-1].capabilities is None for t in K.TABLES.values())
+
+
 def test_zero_tokens():
     g = torch.Generator().manual_seed(0)
     fn, base, scale = _params(4, 8, g)
@@ -345,8 +362,10 @@ def test_flash_shape_cuda_graph_gpu():
 
 def test_bench_smoke(capsys):
     """``dsv4lab bench mhc --smoke``: tiny shapes, both backends, a printed table."""
-    rows = bench.run("mhc", smoke=True, record=False)
-    assert {(r["backend"], r["T"]) for r in rows} == {(b, T) for b in ("torch", "triton") for T in (1, 3)}
+    from dsv4lab import benchmarks
+    rows = benchmarks.run("mhc", smoke=True, record=False)
+    assert sorted((r["backend"], r["T"], r["mode"]) for r in rows) == sorted(
+        (b, T, m) for b in ("torch", "triton") for T in (1, 3) for m in ("eager", "graph"))
     for r in rows:
         assert r["ms"] > 0 and r["bytes"] > 0 and r["flops"] > 0 and r["roofline_ms"] > 0
         assert r["op"] == "mhc_pre+post" and r["smoke"] is True

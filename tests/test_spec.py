@@ -147,8 +147,8 @@ def test_draft_moe_backend_resolves_up_front():
 
 
 def test_step_stages_are_labelled_for_the_profiler():
-    """Every stage of an eager step runs under its record_function label (scripts/profile_spec.py
-    splits a step's kernels by them); the labels change no token."""
+    """Every stage of an eager step runs under its record_function label (a profile splits a
+    step's kernels by them); the labels change no token."""
     eng = Engine(_model(), max_batch=1, max_len=48, page_size=8, backends=TORCH)
     plain = eng.generate([[3, 1, 4, 1, 5]], 6)
     for k, want in ((0, {"meta", "main", "accept", "update"}),
@@ -183,21 +183,24 @@ def test_admit_hands_back_pages_when_the_cache_runs_out():
     eng.cache.release(pages)
 
 
-def test_profile_script_runs_on_the_cpu(tmp_path, capsys):
-    """scripts/profile_spec.py (the GPU profile of a speculative step) imports and runs on the
-    CPU: tiny model, eager steps, leaf ops per stage."""
-    import importlib.util
-    import json
-    path = Path(__file__).resolve().parent.parent / "scripts" / "profile_spec.py"
-    spec = importlib.util.spec_from_file_location("profile_spec", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "p.json"
-    assert mod.main(["--tiny", "--drafts", "0", "2", "--steps", "2", "--new", "6", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["num_draft"] for r in rows] == [0, 2]
-    assert set(rows[1]["eager_stages"]) == set(mod.STAGES)
-    assert "step.draft" not in rows[0]["eager_stages"]
-    assert all(r["eager_stages"]["step.main"]["kernels"] > 0 for r in rows)
-    assert rows[1]["eager_stages"]["step.mtp"]["kernels"] > 0
-    assert "per stage of an EAGER step" in capsys.readouterr().out
+def test_bench_smoke_rows_and_figures():
+    """``dsv4lab bench spec --smoke``: plain and speculative rows, each labelled with its
+    ``mode`` (eager steps here: no CUDA graphs on the CPU), output identical to plain
+    decoding; the figures draw these rows and the recorded ones (rows from before ``mode``
+    existed included)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from dsv4lab import benchmarks, results
+    from dsv4lab.plots import spec as P
+    rows = benchmarks.run("spec", smoke=True, record=False)
+    assert {(r["concurrency"], r["num_draft"]) for r in rows} == {(c, k) for c in (1, 2) for k in (0, 1, 2)}
+    assert all(r["identical"] and r["mode"] == ("graph" if r["graphs"] else "eager") for r in rows)
+    assert all(r["speedup"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    recorded = [r for r in results.load("spec") if not r.get("smoke")]
+    assert {P.mode_of(r) for r in recorded} <= {"eager", "graph"}
+    for data, smoke in ((rows, True), (recorded, False)):
+        fig, ax = plt.subplots(1, 2)
+        P.plot_acceptance(data, smoke=smoke, ax=ax[0])
+        P.plot_speedup(data, smoke=smoke, ax=ax[1])
+        plt.close(fig)

@@ -13,19 +13,26 @@ dims, FP8 e4m3 keys with fp32 scales, pages of 64 c4 entries, one query per requ
   dtypes the kernel switches on), timed, with the top-512 recall and logit error vs
   fp32 math on the unquantised keys.
 
-Full mode: B = 64 on the GPU (~25-35 s on an H200; the triton top-k rows are medians of
-5 interleaved rounds). Smoke mode: tiny CPU shapes.
+Field ``mode``: ``"graph"``, the launches replayed from a CUDA graph (the Triton rows; the
+top-k ones are medians of interleaved rounds, see :func:`_triton_interleaved`), or
+``"eager"``, the public op called as a notebook calls it, its default value checks and the
+host included (the torch backends, which read lengths on the host, and the headline Triton
+cases: top-k at the shortest and the longest max context, the logits roofline).
+
+Full mode: B = 64 on the GPU. Smoke mode: tiny CPU shapes, in the interpreter.
 Explained in notebooks/03_indexer_capping.ipynb.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import torch
 
-from dsv4lab import backends, bench, runtime
+from dsv4lab import backends, bench, results, runtime
 from dsv4lab.bench import benchmark
 from dsv4lab.kernels import indexer as K
+from dsv4lab.kernels.device import props as device_props
 from dsv4lab.ops import indexer as ops_indexer
 from dsv4lab.ops.indexer import indexer_bytes, indexer_flops, reference_logits
 
@@ -103,11 +110,15 @@ def topk_vs_max_context(cfg) -> list[dict]:
     actual = cfg["actual_tokens"] // COMPRESS
     tri = _triton_interleaved(cfg, actual)
     _free()
-    for name in ("torch_fallback", "torch_capped", "triton"):
-        fn = backends.resolve("indexer_topk", name).fn
+    headline = (min(cfg["max_context_tokens"]), max(cfg["max_context_tokens"]))
+    runs = [(name, "eager") for name in ("torch_fallback", "torch_capped")]
+    runs += [("triton", "graph"), ("triton", "eager")]
+    for name, mode in runs:
         for mct in cfg["max_context_tokens"]:
+            if name == "triton" and mode == "eager" and mct not in headline:
+                continue
             L = mct // COMPRESS
-            if name == "triton":
+            if mode == "graph":
                 ts = [t["ms"] for t in tri[L]]
                 t = dict(ms=statistics.median(ts), timing=tri[L][0]["timing"],
                          ms_rounds=ts, ms_min=min(ts), ms_max=max(ts))
@@ -115,14 +126,13 @@ def topk_vs_max_context(cfg) -> list[dict]:
                 args = make_inputs(batch=cfg["batch"], s_q=cfg["s_q"], heads=cfg["heads"],
                                    head_dim=cfg["head_dim"], page=cfg["page"], L=L,
                                    actual=actual)
-                # one checked call through the public op, then time the backend itself
-                ops_indexer.indexer_topk(*args, max_context=L, topk=cfg["topk"], backend=name)
-                t = bench.time_fn(lambda a=args, L=L: fn(*a, L, cfg["topk"]))
+                t = bench.time_fn(lambda a=args, L=L, name=name: ops_indexer.indexer_topk(
+                    *a, max_context=L, topk=cfg["topk"], backend=name))
                 del args
             scored = L if name == "torch_fallback" else (
                 -(-actual // cfg["page"]) * cfg["page"] if name == "torch_capped" else actual)
             row = _base(cfg, kind="topk_vs_max_context", op="indexer_topk", backend=name,
-                        q_dtype="fp8", k_dtype="fp8", dot=_dot_name(FP8, FP8),
+                        mode=mode, q_dtype="fp8", k_dtype="fp8", dot=_dot_name(FP8, FP8),
                         max_context_tokens=mct, max_context_entries=L,
                         actual_tokens=cfg["actual_tokens"], actual_entries=actual,
                         entries_scored=scored, **t)
@@ -137,7 +147,7 @@ def topk_vs_max_context(cfg) -> list[dict]:
 
 
 def _dot_name(q_dtype, k_dtype) -> str:
-    return K.DOT_NAMES[K.dot_mode(q_dtype, k_dtype, runtime.device())]
+    return K.DOT_NAMES[K.dot_path(q_dtype, k_dtype, device_props(runtime.device()))]
 
 
 def logits_and_dtypes(cfg) -> list[dict]:
@@ -160,7 +170,7 @@ def logits_and_dtypes(cfg) -> list[dict]:
                 (torch.bfloat16, torch.bfloat16, "matmul_dtype")]
     for q_dt, k_dt, kind in variants:
         if kind == "matmul_dtype" and (q_dt, k_dt) == (FP8, FP8):   # the roofline row again
-            rows.append(dict(rows[0], kind=kind))
+            rows.append(dict(next(r for r in rows if r["mode"] == "graph"), kind=kind))
             continue
         q, k = q0.to(q_dt), kf.to(k_dt)
         args = (q, k, ks, w, bt, ctx)
@@ -169,56 +179,93 @@ def logits_and_dtypes(cfg) -> list[dict]:
         hit = (top[..., :, None] == top_truth[..., None, :]).any(-1).float().mean().item()
         err = ((out - truth).abs() / scale).max().item()
         del out, top
-        t = bench.time_graph(lambda a=args: fn(*a, L))
-        dot = _dot_name(q_dt, k_dt)
-        row = _base(cfg, kind=kind, op="indexer_logits", backend="triton",
-                    q_dtype=DTYPE_NAMES[q_dt], k_dtype=DTYPE_NAMES[k_dt], dot=dot,
-                    max_context_tokens=cfg["logits_actual_tokens"], max_context_entries=L,
-                    actual_tokens=cfg["logits_actual_tokens"], actual_entries=actual,
-                    entries_scored=actual, recall_vs_fp32=hit, max_rel_logit_err=err,
-                    kernel_config=K.logits_config(K.dot_mode(q_dt, k_dt, q.device), k_dt), **t)
-        bench.with_roofline(row, bytes_moved=indexer_bytes(
-            B, S, actual, heads=H, head_dim=D, key_bytes=k.element_size(),
-            q_bytes=q.element_size(), page=cfg["page"]),
-            flops=indexer_flops(B, S, actual, heads=H, head_dim=D),
-            dtype="fp8" if dot == "fp8" else "bf16")
-        rows.append(row)
+        props = device_props(q.device)
+        dot = K.dot_path(q_dt, k_dt, props)
+        modes = ("eager", "graph") if kind == "logits_roofline" else ("graph",)
+        for mode in modes:
+            if mode == "graph":
+                t = bench.time_graph(lambda a=args: fn(*a, L))
+            else:
+                t = bench.time_fn(lambda a=args: ops_indexer.indexer_logits(
+                    *a, max_context=L, backend="triton"))
+            row = _base(cfg, kind=kind, op="indexer_logits", backend="triton", mode=mode,
+                        q_dtype=DTYPE_NAMES[q_dt], k_dtype=DTYPE_NAMES[k_dt], dot=K.DOT_NAMES[dot],
+                        max_context_tokens=cfg["logits_actual_tokens"], max_context_entries=L,
+                        actual_tokens=cfg["logits_actual_tokens"], actual_entries=actual,
+                        entries_scored=actual, recall_vs_fp32=hit, max_rel_logit_err=err,
+                        kernel_config=dataclasses.asdict(K.logits_config(dot, k_dt, props)), **t)
+            bench.with_roofline(row, bytes_moved=indexer_bytes(
+                B, S, actual, heads=H, head_dim=D, key_bytes=k.element_size(),
+                q_bytes=q.element_size(), page=cfg["page"]),
+                flops=indexer_flops(B, S, actual, heads=H, head_dim=D),
+                dtype="fp8" if dot == K.DOT_FP8 else "bf16")
+            rows.append(row)
         del q, k, args
         _free()
     return rows
 
 
-def format_row(r: dict) -> str:
-    frac = r.get("roofline_fraction")
-    extra = ""
-    if "recall_vs_fp32" in r:
-        extra = f" recall@{r['topk']}={r['recall_vs_fp32']:.4f} err={r['max_rel_logit_err']:.1e}"
-    return (f"{r['kind']:<20} {r['op']:<15} {r['backend']:<15} q={r['q_dtype']:<4} "
-            f"k={r['k_dtype']:<4} dot={r['dot']:<4} max_ctx={r['max_context_tokens']:>8} tok "
-            f"actual={r['actual_tokens']:>7} tok  {r['ms'] * 1e3:>10.1f} us ({r['timing']})"
-            + (f" roof={frac:.2f}" if frac is not None else "") + extra)
+# a configuration of the recorded rows: the newest row of each is the one shown
+KEYS = ("kind", "backend", "mode", "q_dtype", "k_dtype", "batch", "s_q", "max_context_tokens",
+        "actual_tokens", "gpu")
 
 
-@benchmark("indexer", "lightning indexer: top-k vs max_context per backend; logits roofline; "
-                      "fp32/bf16/fp8 matmul")
+def mode_of(r: dict) -> str:
+    """A row's ``mode``; rows recorded before the field: "graph" for CUDA-graph timings."""
+    return r.get("mode") or ("graph" if r.get("timing") == "cuda_graph" else "eager")
+
+
+def newest(rows, *, smoke: bool = False) -> list[dict]:
+    """The newest row per configuration (:data:`KEYS`, with :func:`mode_of` filled in);
+    full-mode rows only unless ``smoke``."""
+    return results.latest([dict(r, mode=mode_of(r)) for r in rows
+                           if bool(r.get("smoke")) == smoke], KEYS)
+
+
+def headline_table(rows, *, smoke: bool = False) -> str:
+    """The headline rows as a small table: us per ``indexer_topk`` call for each backend
+    and mode against max context, and the logits roofline row."""
+    sel = newest(rows, smoke=smoke)
+    top = [r for r in sel if r["kind"] == "topk_vs_max_context"]
+    if not top:
+        return "no indexer rows"
+    ctxs = sorted({r["max_context_tokens"] for r in top})
+    r0 = top[0]
+    where = results.label(top) if r0.get("gpu") else "this run"
+    lines = [f"indexer_topk, top-{r0['topk']}, B {r0['batch']}, {r0['actual_tokens']} actual tokens: "
+             f"us per call ({where})",
+             f"{'backend':<15} {'mode':<6}" + "".join(f"{_tokens(c):>10}" for c in ctxs)
+             + f"{'last/first':>11}"]
+    for be in ("torch_fallback", "torch_capped", "triton"):
+        for mode in ("graph", "eager"):
+            us = {r["max_context_tokens"]: r["ms"] * 1e3 for r in top
+                  if r["backend"] == be and r["mode"] == mode}
+            if us:
+                ratio = f"{us[ctxs[-1]] / us[ctxs[0]]:.2f}x" if ctxs[0] in us and ctxs[-1] in us else "-"
+                lines.append(f"{be:<15} {mode:<6}" + "".join(
+                    f"{us[c]:>10.1f}" if c in us else f"{'-':>10}" for c in ctxs) + f"{ratio:>11}")
+    roof = {r["mode"]: r for r in sel if r["kind"] == "logits_roofline"}
+    if "graph" in roof:
+        g = roof["graph"]
+        lines.append(f"indexer_logits, {g['actual_tokens']:,} tokens a row: {g['ms'] * 1e3:.1f} us "
+                     f"replayed ({g['roofline_fraction']:.2f} of the HBM roofline)"
+                     + (f", {roof['eager']['ms'] * 1e3:.1f} us called eagerly" if "eager" in roof else ""))
+    return "\n".join(lines)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1048576}M" if n >= 1048576 and n % 1048576 == 0 else (
+        f"{n // 1024}K" if n % 1024 == 0 else str(n))
+
+
+@benchmark("indexer", "lightning indexer: top-k vs max_context per backend (eager and graph); "
+                      "logits roofline; fp32/bf16/fp8 matmul")
 def run_indexer(smoke: bool) -> list[dict]:
     cfg = SMOKE if smoke else FULL
     rows = topk_vs_max_context(cfg) + logits_and_dtypes(cfg)
-    print(f"indexer bench ({'smoke' if smoke else 'full'}, B={cfg['batch']}, S_q={cfg['s_q']}, "
-          f"{cfg['heads']}x{cfg['head_dim']} heads, page={cfg['page']} entries, "
-          f"1 entry = {COMPRESS} tokens, topk={cfg['topk']})")
-    for r in rows:
-        print(format_row(r))
-    tri = {r["max_context_tokens"]: r["ms"] for r in rows
-           if r["kind"] == "topk_vs_max_context" and r["backend"] == "triton"}
-    if len(tri) > 1:
-        lo, hi = min(tri), max(tri)
-        spread = {r["max_context_tokens"]: r["ms_rounds"] for r in rows
-                  if r["kind"] == "topk_vs_max_context" and r["backend"] == "triton"}
-        print(f"triton indexer_topk: {tri[hi] / tri[lo]:.3f}x from {lo} to {hi} max-context tokens "
-              f"(median of {len(spread[lo])} interleaved rounds; per round, us: "
-              + "; ".join(f"{m}: " + " ".join(f"{x * 1e3:.2f}" for x in v)
-                          for m, v in sorted(spread.items())) + ")")
+    print(f"indexer bench ({'smoke' if smoke else 'full'}, {cfg['heads']}x{cfg['head_dim']} heads, "
+          f"page={cfg['page']} entries, 1 entry = {COMPRESS} tokens)")
+    print(headline_table([dict(r, smoke=smoke) for r in rows], smoke=smoke))
     return rows
 
 

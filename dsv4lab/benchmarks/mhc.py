@@ -4,10 +4,11 @@ Full mode (GPU): the Flash shape (n = 4 streams, d = 4096, 20 Sinkhorn iteration
 streams, fp32 mixing weights) at T = 1, 64, 128 tokens. Each timed call runs ``R``
 distinct hyper-connections back to back (their own ``fn`` weights and streams, as
 consecutive layers do; ``R`` is chosen so the working set exceeds the 60 MB L2, at most
-the model's 86) inside one CUDA graph (:func:`dsv4lab.bench.time_graph`); ``ms`` is per
-hyper-connection. The roofline counts the bytes one pre + post must move: the streams
-read (pre) and read + written (post), ``fn`` (fp32), y written, the sub-block output
-read; the flops are the ``xf @ fn.T`` GEMM's.
+the model's 86); ``ms`` is per hyper-connection. Two rows a case (field ``mode``): the
+eager call, host included (:func:`dsv4lab.bench.time_fn`), and its replay from one CUDA
+graph (:func:`dsv4lab.bench.time_graph`). The roofline counts the bytes one pre + post
+must move: the streams read (pre) and read + written (post), ``fn`` (fp32), y written,
+the sub-block output read; the flops are the ``xf @ fn.T`` GEMM's.
 
 Smoke mode (CPU): n = 4, d = 64, T = 1 and 3, 3 iterations, R = 1, in the interpreter.
 Explained in notebooks/06_decode_step_at_scale.ipynb.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dsv4lab import ops, runtime
-from dsv4lab.bench import benchmark, time_graph, with_roofline
+from dsv4lab.bench import benchmark, time_fn, time_graph, with_roofline
 
 L2_BYTES = 60e6
 MAX_ROTATE = 86          # 43 layers x 2 hyper-connections
@@ -72,19 +73,21 @@ def bench_mhc(smoke: bool) -> list[dict]:
                     res = ops.mhc_post(out, x, post, comb, backend=backend)
                 return res
 
-            with torch.no_grad():
-                t = time_graph(call)
-            row = {"op": "mhc_pre+post", "backend": backend, "T": T, "n": n, "d": d,
-                   "iters": iters, "dtype": str(dtype).replace("torch.", ""), "rotate": R,
-                   "ms": t["ms"] / R, "timing": t["timing"]}
-            rows.append(with_roofline(row, bytes_moved=b, flops=flops, dtype="bf16"))
-    by = {(r["T"], r["backend"]): r for r in rows}
-    print(f"mhc (n={n}, d={d}, iters={iters}, {rows[0]['dtype']}; us per hyper-connection, "
-          f"{rows[0]['timing']}):")
-    print(f"{'T':>5} {'torch us':>10} {'triton us':>10} {'speedup':>8} {'roof us':>8} "
+            for mode, timer in (("eager", time_fn), ("graph", time_graph)):
+                with torch.no_grad():
+                    t = timer(call)
+                row = {"op": "mhc_pre+post", "backend": backend, "mode": mode, "T": T, "n": n,
+                       "d": d, "iters": iters, "dtype": str(dtype).replace("torch.", ""),
+                       "rotate": R, "ms": t["ms"] / R, "timing": t["timing"]}
+                rows.append(with_roofline(row, bytes_moved=b, flops=flops, dtype="bf16"))
+    by = {(r["T"], r["backend"], r["mode"]): r for r in rows}
+    print(f"mhc (n={n}, d={d}, iters={iters}, {rows[0]['dtype']}; us per hyper-connection):")
+    print(f"{'T':>5} {'mode':>6} {'torch us':>10} {'triton us':>10} {'speedup':>8} {'roof us':>8} "
           f"{'triton/roof':>11} {'R':>4}")
     for T in Ts:
-        tr, tt = by[(T, "torch")], by[(T, "triton")]
-        print(f"{T:>5} {tr['ms'] * 1e3:>10.2f} {tt['ms'] * 1e3:>10.2f} {tr['ms'] / tt['ms']:>7.1f}x "
-              f"{tt['roofline_ms'] * 1e3:>8.2f} {tt['roofline_fraction']:>11.1%} {tt['rotate']:>4}")
+        for mode in ("eager", "graph"):
+            tr, tt = by[(T, "torch", mode)], by[(T, "triton", mode)]
+            print(f"{T:>5} {mode:>6} {tr['ms'] * 1e3:>10.2f} {tt['ms'] * 1e3:>10.2f} "
+                  f"{tr['ms'] / tt['ms']:>7.1f}x {tt['roofline_ms'] * 1e3:>8.2f} "
+                  f"{tt['roofline_fraction']:>11.1%} {tt['rotate']:>4}")
     return rows

@@ -42,19 +42,16 @@ def _dtype_names(dts) -> str:
 # --------------------------------------------------------------------------- checks
 
 def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context,
-                  topk=None) -> int:
-    """Shape/dtype/device checks (and value checks unless a CUDA graph is capturing).
+                  topk=None, validate=True) -> int:
+    """Shape/dtype/device checks, then (``validate``, and no CUDA graph capturing) the values.
 
     Returns L, the logical width of the logits. Raises ValueError naming the argument.
     """
-    def t(name, x):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-
     for name, x in (("q", q), ("k_cache", k_cache), ("k_scale", k_scale),
                     ("weights", weights), ("block_table", block_table),
                     ("context_lens", context_lens)):
-        t(name, x)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, S_q, Hi, Di], got shape {tuple(q.shape)}")
     if q.dtype not in Q_DTYPES:
@@ -90,8 +87,9 @@ def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_c
         raise ValueError(f"context_lens must be [B, S_q] = {(B, S)}, got shape {tuple(context_lens.shape)}")
     if context_lens.dtype != torch.int32:
         raise ValueError(f"context_lens must be int32, got {context_lens.dtype}")
-    devs = {x.device for x in (q, k_cache, k_scale, weights, block_table, context_lens)}
-    if len(devs) != 1:
+    dev = q.device
+    if any(x.device != dev for x in (k_cache, k_scale, weights, block_table, context_lens)):
+        devs = {x.device for x in (q, k_cache, k_scale, weights, block_table, context_lens)}
         raise ValueError(f"q, k_cache, k_scale, weights, block_table and context_lens must be on "
                          f"one device, got {sorted(str(d) for d in devs)}")
     max_pages = block_table.shape[1]
@@ -107,25 +105,28 @@ def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_c
     if topk is not None:
         if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
             raise ValueError(f"topk must be a positive int, got {topk!r}")
-    if not runtime.is_capturing(q):
+    if not isinstance(validate, bool):
+        raise ValueError(f"validate must be a bool, got {validate!r}")
+    if validate and not runtime.is_capturing(q):
         _check_values(block_table, context_lens, P, page, L)
     return L
 
 
 def _check_values(block_table, context_lens, P, page, L):
-    """One device->host read: context_lens in [0, L]; visible pages' ids in [0, P)."""
-    ctx = context_lens.to(torch.int64)
-    ctx_bad = ((ctx < 0) | (ctx > L)).any()
-    need = (ctx.max(dim=1).values.clamp(min=0) + page - 1) // page            # [B]
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < need[:, None]
-    bt_bad = (used & ((block_table < 0) | (block_table >= P))).any()
-    flags = torch.stack([ctx_bad, bt_bad]).tolist()
-    if flags[0]:
+    """One device->host read: context_lens in [0, L]; the page ids of visible pages (those
+    holding an entry below the row's longest context) in [0, P)."""
+    c_lo, c_hi = torch.aminmax(context_lens)
+    starts = torch.arange(0, block_table.shape[1] * page, page, dtype=torch.int32,
+                          device=block_table.device)                 # each page's first entry
+    visible = starts[None, :] < context_lens.amax(dim=1, keepdim=True)
+    b_lo, b_hi = torch.aminmax(torch.where(visible, block_table, 0))
+    c_lo, c_hi, b_lo, b_hi = torch.stack([c_lo, c_hi, b_lo, b_hi]).tolist()
+    if c_lo < 0 or c_hi > L:
         raise ValueError(f"context_lens must lie in [0, L = {L}] (visible entries per query), "
-                         f"got min {int(ctx.min())}, max {int(ctx.max())}")
-    if flags[1]:
+                         f"got min {c_lo}, max {c_hi}")
+    if b_lo < 0 or b_hi >= P:
         raise ValueError(f"block_table entries of visible pages must be page ids in [0, {P}) "
-                         f"(P = k_cache.shape[0])")
+                         f"(P = k_cache.shape[0]), got {b_lo if b_lo < 0 else b_hi}")
 
 
 # ------------------------------------------------------------------- fp32 reference
@@ -232,7 +233,7 @@ def _topk_triton(q, k_cache, k_scale, weights, block_table, context_lens, L, top
 # -------------------------------------------------------------------- public ops
 
 def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
-                   max_context=None, backend="auto"):
+                   max_context=None, backend="auto", validate=True):
     """Indexer logits [B, S_q, L] fp32; -inf at positions ``j >= context_lens[b, s]``.
 
     q [B, S_q, Hi, Di] (float8_e4m3fn, bf16 or fp32); k_cache [P, page, Di] (e4m3, bf16
@@ -242,34 +243,46 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
     (in entries) or max_pages * page. The matmul runs in the wider of q's and k's dtypes
     (fp8 x fp8 on FP8 tensor cores where the GPU has them), accumulating in fp32.
 
+    Checks: shapes, dtypes and devices always, on the host (no device work). With
+    ``validate=True`` also the values, in one device-to-host read: ``context_lens`` in
+    [0, L] and the block-table entries of visible pages in [0, P); skipped while a CUDA
+    graph is being captured. ``validate=False`` skips them (for callers that wrote the
+    tables themselves: the engine, a captured step); a bad page id then reads outside the
+    cache.
+
     Explained in notebooks/03_indexer_capping.ipynb.
     """
-    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context)
+    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context,
+                      validate=validate)
     be = backends.resolve("indexer_logits", backend, device=q.device)
     return be.fn(q, k_cache, k_scale, weights, block_table, context_lens, L)
 
 
 def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, *,
-                 max_context=None, topk=512, backend="auto"):
+                 max_context=None, topk=512, backend="auto", validate=True):
     """Top-``topk`` logical entry positions per query: int32 [B, S_q, topk].
 
-    Same inputs as :func:`indexer_logits`. Positions are in [0, context_lens[b, s]);
-    -1 fills the slots when fewer than ``topk`` entries are visible (the -1 come last).
-    Ties at the k-th score are broken arbitrarily; the order of the kept positions is
-    unspecified (torch backends: by descending score; triton: by ascending position).
+    Same inputs and checks as :func:`indexer_logits` (``validate`` included). Positions are
+    in [0, context_lens[b, s]); -1 fills the slots when fewer than ``topk`` entries are
+    visible (the -1 come last). Ties at the k-th score are broken arbitrarily; the order of
+    the kept positions is unspecified (torch backends: by descending score; triton: by
+    ascending position).
 
     Explained in notebooks/03_indexer_capping.ipynb.
     """
-    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context, topk)
+    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context, topk,
+                      validate)
     be = backends.resolve("indexer_topk", backend, device=q.device)
     return be.fn(q, k_cache, k_scale, weights, block_table, context_lens, L, topk)
 
 
-def to_cache_slots(indices, block_table, page_size):
+def to_cache_slots(indices, block_table, page_size, *, validate=True):
     """Logical entry positions -> flat cache slots ``block_table[b, pos // page] * page + pos % page``.
 
     indices int32 [B, S_q, topk] (-1 kept as -1); block_table int32 [B, max_pages]. The
     result indexes a cache viewed as [P * page, ...] (what ``sparse_mla_decode`` takes).
+    Shapes and dtypes are checked always; with ``validate=True`` (one device-to-host read,
+    skipped while capturing) also that every index is -1 or below max_pages * page_size.
 
     Explained in notebooks/03_indexer_capping.ipynb.
     """
@@ -294,7 +307,7 @@ def to_cache_slots(indices, block_table, page_size):
     max_pages = block_table.shape[1]
     idx = indices.long()
     valid = idx >= 0
-    if not runtime.is_capturing(indices):
+    if validate and not runtime.is_capturing(indices):
         bad = (valid & (idx >= max_pages * page_size)) | (idx < -1)
         if bool(bad.any()):
             raise ValueError(f"indices must be -1 or logical positions in [0, max_pages * "

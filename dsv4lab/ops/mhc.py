@@ -216,6 +216,8 @@ def mhc_pre(x, fn, base, scale, *, iters, eps=1e-6, backend="auto"):
     post [..., n] fp32 and comb [..., n, n] fp32 (Sinkhorn-normalised, ``iters`` >= 1
     iterations). See the module docstring for the math.
 
+    Checks: shapes, dtypes, devices and the scalar arguments, on the host; no value checks.
+
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
     n, d = _check_streams(x)
@@ -239,6 +241,8 @@ def mhc_post(out, residual, post, comb, *, backend="auto"):
     out [..., d] (the sub-block's output), residual [..., n, d] (the streams ``mhc_pre``
     read), post [..., n] and comb [..., n, n] (from ``mhc_pre``, fp32). Returns
     [..., n, d] in residual's dtype; the math runs in fp32.
+
+    Checks: shapes, dtypes and devices, on the host; no value checks.
 
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
@@ -268,6 +272,8 @@ def mhc_head(x, fn, base, *, eps=1e-6, backend="auto"):
     ``pre = sigmoid((xf @ fn.T) * rsqrt(mean(xf^2) + eps) + base) + eps``.
 
     x [..., n, d]; fn [n, n*d]; base [n]. Returns y [..., d] in x's dtype.
+
+    Checks: shapes, dtypes, devices and ``eps``, on the host; no value checks.
 
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """

@@ -11,28 +11,25 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dsv4lab import results, roofline
+from dsv4lab.benchmarks.indexer import mode_of, newest
 from dsv4lab.ops.indexer import indexer_bytes
-from dsv4lab.plots._common import latest, note
+from dsv4lab.plots._common import note
 
 COMPRESS = 4
 CSA_LAYERS = 21          # DeepSeek-V4-Flash: [0,0] + [4,128]*20 + [4] -> 21 layers with ratio 4
-# The campaign (issue 4): concurrency 64, --context-length 8192 -> 531.7 tok/s; the rest
-# of a decode step then is 64 / 531.7 s minus 21 indexer calls at 0.30 ms.
+# The campaign: concurrency 64, --context-length 8192 -> 531.7 tok/s; the rest of a decode
+# step then is 64 / 531.7 s minus 21 indexer calls at 0.30 ms.
 REST_OF_STEP_MS = 64 / 531.7 * 1e3 - CSA_LAYERS * 0.30
-# torch fallback, B=64, 512 actual tokens, measured in the campaign (issue 4): used for the
-# fallback's line until recorded rows exist
+# torch fallback, B=64, 512 actual tokens, as the campaign measured it: the fallback's line
+# until recorded rows exist
 CAMPAIGN_FALLBACK_MS = {8192: 0.30, 131072: 3.58, 1048576: 27.7}
 LAUNCH_US = {"torch_fallback": 40.0, "torch_capped": 60.0, "triton": 6.0}   # no-row fallback
-STYLE = {"torch_fallback": ("#d62728", "o", "torch fallback (scores all max_context)"),
-         "torch_capped": ("#ff7f0e", "s", "torch, capped to the longest request"),
-         "triton": ("#2ca02c", "^", "Triton, paged, early exit (CUDA graph)")}
-KEYS = ("kind", "backend", "q_dtype", "k_dtype", "batch", "s_q", "max_context_tokens",
-        "actual_tokens", "gpu")
-
-
-def clean(rows, *, smoke: bool = False) -> list[dict]:
-    """Newest row per configuration; GPU rows only unless ``smoke``."""
-    return latest(rows, KEYS, smoke=smoke)
+# (backend, mode): colour, marker, line style, label
+STYLE = {("torch_fallback", "eager"): ("#d62728", "o", "-", "torch fallback (scores all max_context)"),
+         ("torch_capped", "eager"): ("#ff7f0e", "s", "-", "torch, capped to the longest request"),
+         ("triton", "graph"): ("#2ca02c", "^", "-", "Triton, paged, early exit (CUDA graph)"),
+         ("triton", "eager"): ("#2ca02c", "v", "--", "Triton, called eagerly (checks, host)")}
+clean = newest           # the newest row per configuration, mode included
 
 
 def _rows_of_kind(rows, kind, what, *, ax, smoke, figsize):
@@ -52,10 +49,11 @@ def plot_topk_vs_max_context(rows, *, ax=None, smoke: bool = False):
                             figsize=(6.5, 4))
     if not sel:
         return ax
-    for be, (color, marker, label) in STYLE.items():
-        pts = sorted((r["max_context_tokens"], r["ms"] * 1e3) for r in sel if r["backend"] == be)
+    for (be, mode), (color, marker, ls, label) in STYLE.items():
+        pts = sorted((r["max_context_tokens"], r["ms"] * 1e3) for r in sel
+                     if r["backend"] == be and r["mode"] == mode)
         if pts:
-            ax.plot(*zip(*pts), marker=marker, color=color, label=label)
+            ax.plot(*zip(*pts), marker=marker, ls=ls, color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("max context (tokens; entries = tokens / 4)")
@@ -69,9 +67,12 @@ def plot_topk_vs_max_context(rows, *, ax=None, smoke: bool = False):
 
 
 def _fit(rows, backend):
-    """(intercept_us, us per scored entry per request) fitted to the recorded rows."""
+    """(intercept_us, us per scored entry per request) fitted to the recorded rows (graph
+    replays for Triton, the eager calls for the torch backends)."""
+    mode = "graph" if backend == "triton" else "eager"
     pts = [(r["entries_scored"], r["ms"] * 1e3) for r in rows
-           if r["backend"] == backend and r.get("q_dtype") == "fp8" and r.get("k_dtype") == "fp8"]
+           if r["backend"] == backend and mode_of(r) == mode
+           and r.get("q_dtype") == "fp8" and r.get("k_dtype") == "fp8"]
     if not pts:
         return None
     pts = sorted(set(pts))
@@ -104,7 +105,7 @@ def estimate_us(rows, max_context_tokens: int, actual_tokens: int, *, batch: int
             camp = [dict(backend=be, q_dtype="fp8", k_dtype="fp8", entries_scored=m // COMPRESS,
                          ms=v) for m, v in CAMPAIGN_FALLBACK_MS.items()]
             a, b = _fit(camp, be)
-            out[be] = (a + b * ent, "campaign figures (issue 4)")
+            out[be] = (a + b * ent, "the campaign's figures")
         elif fit is not None and fit[1] is not None:
             out[be] = (fit[0] + fit[1] * ent, "fit to recorded rows")
         else:
@@ -126,13 +127,15 @@ def plot_decode_share(rows, *, actual_tokens: int = 512, batch: int = 64, ax=Non
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4))
     src = set()
-    for be, (color, marker, label) in STYLE.items():
+    for (be, mode), (color, marker, ls, label) in STYLE.items():
+        if mode == "eager" and be == "triton":
+            continue
         pts = []
         for m in max_contexts:
             us, how = estimate_us(rows, m, actual_tokens, batch=batch)[be]
             src.add(how)
             pts.append((m, 100 * decode_share(us)))
-        ax.plot(*zip(*pts), marker=marker, color=color, label=label)
+        ax.plot(*zip(*pts), marker=marker, ls=ls, color=color, label=label)
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 100)
     ax.set_xlabel("max context (tokens)")
@@ -148,6 +151,7 @@ def plot_dtype_flips(rows, *, ax=None, smoke: bool = False):
     """Time (bars) and top-k recall vs fp32 math (labels) of the logits in each matmul dtype."""
     ax, sel = _rows_of_kind(rows, "matmul_dtype", "matmul_dtype", ax=ax, smoke=smoke,
                             figsize=(6.5, 3.6))
+    sel = [r for r in sel if r["mode"] == "graph"]
     if not sel:
         return ax
     names = [f"q {r['q_dtype']} / k {r['k_dtype']}\n(dot {r['dot']})" for r in sel]

@@ -9,14 +9,16 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dsv4lab import results
+from dsv4lab.benchmarks.spec import mode_of
 from dsv4lab.plots._common import latest, note
 
-KEYS = ("concurrency", "num_draft", "draft_moe", "gpu")
+KEYS = ("concurrency", "num_draft", "draft_moe", "mode", "gpu")
 
 
 def clean(rows, *, smoke: bool = False) -> list[dict]:
-    """Newest row per configuration; GPU (full-mode) rows only unless ``smoke``."""
-    return latest(rows or [], KEYS, smoke=smoke)
+    """Newest row per configuration (``mode`` included); GPU (full-mode) rows only unless
+    ``smoke``."""
+    return latest([dict(r, mode=mode_of(r)) for r in rows or []], KEYS, smoke=smoke)
 
 
 def _axes(ax, n=1, figsize=(7, 4)):
@@ -54,8 +56,9 @@ def plot_acceptance(rows=None, *, smoke: bool = False, ax=None):
     """Acceptance of each draft position (k = 3 drafts), concurrency 1 and 8."""
     rows = clean(results.load("spec") if rows is None else rows, smoke=smoke)
     fig, ax = _axes(ax)
-    main = [r for r in rows if r["num_draft"] == max((x["num_draft"] for x in rows), default=0)
-            and r.get("draft_moe") == r.get("moe")]
+    k = max((x["num_draft"] for x in rows), default=0)
+    main = [r for r in rows if r["num_draft"] == k and r.get("draft_moe") == r.get("moe")]
+    main = [r for r in main if r["mode"] == "graph"] or main    # eager only where no graph ran
     if not main or not main[0]["acceptance"]:
         note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
         return fig or ax.figure
@@ -75,18 +78,22 @@ def plot_acceptance(rows=None, *, smoke: bool = False, ax=None):
 
 
 def plot_speedup(rows=None, *, smoke: bool = False, ax=None):
-    """Tokens/s of speculative over plain decoding vs number of drafts."""
+    """Tokens/s of speculative over plain decoding (in the same mode) vs number of drafts:
+    one line per concurrency and mode (CUDA graphs solid, eager steps dashed)."""
     rows = clean(results.load("spec") if rows is None else rows, smoke=smoke)
     fig, ax = _axes(ax)
     rows = [r for r in rows if r.get("draft_moe") == r.get("moe")]
     if not rows:
         note(ax, "no recorded spec rows yet:\nrun `dsv4lab bench spec` on a GPU")
         return fig or ax.figure
-    for conc in sorted({r["concurrency"] for r in rows}):
-        pts = sorted((r["num_draft"], r["speedup"]) for r in rows if r["concurrency"] == conc)
-        ax.plot(*zip(*pts), marker="o", label=f"concurrency {conc}")
+    for i, conc in enumerate(sorted({r["concurrency"] for r in rows})):
+        for mode, ls in (("graph", "-"), ("eager", "--")):
+            pts = sorted((r["num_draft"], r["speedup"]) for r in rows
+                         if r["concurrency"] == conc and r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ls=ls, color=f"C{i}",
+                        label=f"concurrency {conc}, {'CUDA graphs' if mode == 'graph' else 'eager steps'}")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.axhline(1.5, color="g", ls="--", lw=0.8, label="target 1.5x (concurrency 1)")
     ax.set_xlabel("draft tokens per step (0 = plain decoding)")
     ax.set_ylabel("speedup in tokens/s")
     ax.set_xticks(sorted({r["num_draft"] for r in rows}))

@@ -1,10 +1,11 @@
-"""The small-M linear (kernels/linear_small.py) and its op, dsv4lab.ops.linear.
+"""The small-M linear (kernels/linear.py) and its op, dsv4lab.ops.linear.
 
 CPU (Triton interpreter, tiny shapes): the kernel against the fp32 torch reference over
 hypothesis shapes (one row, 1..8 rows and a few more, K and N not multiples of the block,
 K = 1, N = 1, 3-D and strided x) in fp32 / bf16 / fp16; a row's result equal bit for bit
 whatever the row count (what keeps speculative output identical to plain decoding); the
-"auto" rule per row count and target; every bad input; the model's decode path going
+tile configuration per device; the "auto" rule per row count, weight format and target;
+FP8 block-scaled weights (the torch path); every bad input; the model's decode path going
 through the op (and its training path not), and speculative == plain with the kernel.
 GPU (@pytest.mark.gpu): real sizes (128..4096, odd ones included), row independence for
 M = 1..8, CUDA-graph capture and replay, the model's decode step on "auto".
@@ -20,7 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dsv4lab import backends, ops
-from dsv4lab.kernels import linear_small as K
+from dsv4lab.kernels import linear as K
+from dsv4lab.kernels.device import CAPABILITIES, DeviceProps
 from dsv4lab.ops.linear import AUTO_MAX_WEIGHT, MAX_ROWS, pick_backend
 
 from _model_support import TORCH, _no_tf32, _one_thread  # noqa: F401  (autouse fixtures)
@@ -83,7 +85,7 @@ def test_kernel_edge_shapes(shape):
     """One row, one column, K = 1, exact multiples of the block."""
     m, n, k = shape
     x, w = _data(m, n, k, torch.float32, torch.Generator().manual_seed(1))
-    _check(K.linear_small(x, w), x, w)
+    _check(K.linear(x, w), x, w)
 
 
 def test_more_rows_than_a_block_and_3d_strided_x():
@@ -94,7 +96,7 @@ def test_more_rows_than_a_block_and_3d_strided_x():
     y = ops.linear(x, w, backend="triton")
     _check(y, x, w)
     for i in (0, 8, 18):
-        assert torch.equal(y[i], K.linear_small(x[i:i + 1], w)[0])
+        assert torch.equal(y[i], K.linear(x[i:i + 1], w)[0])
     wide = torch.randn(2, 3, 100, generator=gen)
     x3 = wide[..., 10:80]                         # [2, 3, 70], row stride 100
     y3 = ops.linear(x3, w, backend="triton")
@@ -131,13 +133,21 @@ def test_row_result_independent_of_row_count_in_interpreter(m, n, k, dt, seed):
         assert torch.equal(y[i], ops.linear(x[i:i + 1], w, backend="triton")[0]), (i, m)
 
 
-def test_tile_config_depends_on_the_weight_only():
-    """The tile config is a function of (N, K, device): no M anywhere."""
+def test_tile_config_depends_on_the_weight_and_the_device_only():
+    """The tile config is a function of (N, K, device properties): no M anywhere; more SMs
+    ask for narrower column blocks (more programs)."""
     import inspect
-    assert list(inspect.signature(K.tile_config).parameters) == ["N", "K", "device"]
-    cfg = K.tile_config(128, 128, torch.device("cpu"))
+    assert list(inspect.signature(K.tile_config).parameters) == ["N", "K", "props"]
+    cpu = DeviceProps.cpu()
+    cfg = K.tile_config(128, 128, cpu)
     assert cfg["BLOCK_N"] * cfg["BLOCK_K"] <= K.ACC_ELEMS
-    assert K.tile_config(7, 1, torch.device("cpu"))["BLOCK_K"] == 16
+    assert K.tile_config(7, 1, cpu)["BLOCK_K"] == 16
+    for cap in CAPABILITIES:
+        p = DeviceProps.nominal(cap)
+        assert K.tile_config(4096, 4096, p)["BLOCK_N"] == 16          # 256 programs >= SMs
+        assert K.tile_config(256, 128, p) == {"BLOCK_N": 4, "BLOCK_K": 128, "STAGES": 1}
+        assert K.tile_config(128, 4096, p)["STAGES"] == 3             # a long K loop: pipelined
+    assert set(K.TABLES) == {"linear"} and K.TABLES["linear"][-1].capabilities is None
 
 
 # ------------------------------------------------------------------------- backend choice
@@ -162,6 +172,9 @@ def test_auto_rule(rows, weight, target, want):
 
 def test_explicit_backends_and_gradients():
     assert MAX_ROWS == K.BLOCK_M == 8
+    assert pick_backend(1, weight_elems=MINI_W, fmt="fp8_block", target=H200).name == "torch"
+    with pytest.raises(backends.BackendUnavailable, match="fp8_block"):
+        pick_backend(1, "triton", fmt="fp8_block", target=H200)
     assert pick_backend(1, "triton", target=INTERP).name == "triton"
     assert pick_backend(100, "torch", target=H200).name == "torch"
     assert pick_backend(1, "auto", target=H200, requires_grad=True).name == "torch"
@@ -201,6 +214,52 @@ def test_bad_inputs(call, match):
         call()
 
 
+# ---------------------------------------------------------------- FP8 block-scaled weights
+
+def _fp8_weight(n, k, gen, block=(128, 128)):
+    """An e4m3 weight and its power-of-two block scales, and the fp32 weight they mean."""
+    w8 = (torch.randn(n, k, generator=gen) * 4).to(torch.float8_e4m3fn)
+    exps = torch.randint(-4, 3, (-(-n // block[0]), -(-k // block[1])), generator=gen)
+    scale = torch.exp2(exps.float())
+    dense = w8.float() * scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return w8, scale, exps, dense
+
+
+@pytest.mark.parametrize("dt", ["fp32", "bf16"])
+@pytest.mark.parametrize("n,k,block", [(130, 200, (128, 128)), (5, 7, (2, 3)), (256, 128, (128, 128))])
+def test_fp8_block_scaled_weight(dt, n, k, block):
+    """y = x @ (w8 * scale)^T: the scales per block of (128 x 128 or another) weights,
+    float32 or as E8M0 bytes (2^(s - 127)); the result in x's dtype, fp32 math."""
+    gen = torch.Generator().manual_seed(n + k)
+    w8, scale, exps, dense = _fp8_weight(n, k, gen, block)
+    x = torch.randn(3, k, generator=gen).to(DTYPES[dt])
+    want = (x.float() @ dense.t()).to(x.dtype)
+    y = ops.linear(x, w8, weight_scale=scale, block=block)
+    assert y.dtype == x.dtype and y.shape == (3, n)
+    tol = dict(rtol=1e-5, atol=1e-4) if dt == "fp32" else dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(y.float(), want.float(), **tol)     # the summation order
+    as_bytes = (exps + 127).to(torch.uint8)
+    assert torch.equal(ops.linear(x, w8, weight_scale=as_bytes, block=block), y)
+    with pytest.raises(backends.BackendUnavailable, match="fp8_block"):
+        ops.linear(x, w8, weight_scale=scale, block=block, backend="triton")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(), "pass its weight_scale"),
+    (dict(weight_scale=torch.ones(1, 1)), r"weight_scale must be \[ceil"),
+    (dict(weight_scale=torch.ones(2, 2).double()), "weight_scale must be float32"),
+    (dict(weight_scale=torch.ones(2, 2), block=(128,)), "block must be two positive ints"),
+    (dict(weight_scale=torch.ones(2, 2), block=(0, 128)), "block must be two positive ints"),
+    (dict(weight_scale=[[1.0]]), "weight_scale must be a torch.Tensor"),
+])
+def test_fp8_bad_inputs(kw, match):
+    w8 = torch.zeros(200, 130).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=match):
+        ops.linear(torch.randn(2, 130), w8, **kw)
+    with pytest.raises(ValueError, match="goes with float8_e4m3fn"):
+        ops.linear(torch.randn(2, 3), torch.randn(4, 3), weight_scale=torch.ones(1, 1))
+
+
 # ------------------------------------------------------------------------------ the model
 
 def _tiny_model():
@@ -216,9 +275,9 @@ def test_model_decode_path_uses_the_op_and_training_does_not(monkeypatch):
     calls = []
     real = ops.linear
 
-    def counting(x, weight, *, backend="auto"):
+    def counting(x, weight, *, backend="auto", **kw):
         calls.append((tuple(x.shape), backend))
-        return real(x, weight, backend=backend)
+        return real(x, weight, backend=backend, **kw)
 
     monkeypatch.setattr(ops, "linear", counting)
     m = _tiny_model()
@@ -317,10 +376,10 @@ def test_gpu_model_decode_auto_uses_the_kernel(monkeypatch):
     eager and in CUDA graphs."""
     from dsv4lab.engine import Engine
     from dsv4lab.model import load_checkpoint
-    import dsv4lab.kernels.linear_small as KL
+    import dsv4lab.kernels.linear as KL
     launched = []
-    real = KL.linear_small
-    monkeypatch.setattr(KL, "linear_small", lambda x, w, out=None: launched.append(x.shape) or real(x, w, out))
+    real = KL.linear
+    monkeypatch.setattr(KL, "linear", lambda x, w, out=None, **kw: launched.append(x.shape) or real(x, w, out, **kw))
     m = load_checkpoint(CKPT)
     be = {"sparse_mla_decode": "mma", "indexer_topk": "triton", "fused_moe": "triton"}
     prompts = ["def main(argv=None):\n    "]
