@@ -34,7 +34,7 @@ import torch
 
 from dsv4lab import backends as B
 from dsv4lab import runtime
-from dsv4lab.model import DSV4, OPS, DecodeMeta, LayerCache, make_meta, to_dtype
+from dsv4lab.model import DSV4, OPS, LayerCache, make_meta, to_dtype
 
 
 class PagedKVCache:
@@ -108,15 +108,6 @@ def _stage(name: str):
     return torch.profiler.record_function("step." + name)
 
 
-def _slice_meta(meta: DecodeMeta, j: int) -> DecodeMeta:
-    """Column ``j`` of a [B, S] meta as a [B, 1] meta (views; a fresh RoPE memo)."""
-    col = lambda t: t[:, j:j + 1]  # noqa: E731
-    per = lambda d: {r: col(t) for r, t in d.items()}  # noqa: E731
-    return DecodeMeta(col(meta.positions), col(meta.slots), col(meta.window), meta.block_table,
-                      meta.cblock_table, meta.page_size, per(meta.block_slots), per(meta.entry_pos),
-                      per(meta.entry_slot), per(meta.n_entries), per(meta.all_entries))
-
-
 class _Runner:
     """Static buffers + the step function for one (batch, num_draft) shape."""
 
@@ -163,7 +154,7 @@ class _Runner:
         full = self.meta(pos, [e.mtp_ratio])
         for j in range(self.k - 1):
             ml, h = e.model.mtp_forward_decode(hm.unsqueeze(1), drafts[-1].unsqueeze(1),
-                                               _slice_meta(full, j), e.cache.mtp, e.draft_backends)
+                                               full.column(j), e.cache.mtp, e.draft_backends)
             hm = h[:, 0]
             drafts.append(ml[:, 0].argmax(-1))
         return torch.stack(drafts, 1)
@@ -175,8 +166,8 @@ class _Runner:
 
         Each stage runs under a ``torch.profiler.record_function`` label (``step.meta``,
         ``step.main``, ``step.accept``, ``step.mtp``, ``step.draft``, ``step.update``) so a
-        profile of eager steps splits their kernels by stage (scripts/profile_spec.py);
-        the labels cost nothing inside a CUDA graph replay."""
+        profile of eager steps splits their kernels by stage; the labels cost nothing inside
+        a CUDA graph replay."""
         e = self.eng
         active = self.n_out < self.max_new
         self.n_steps += active.any().long()

@@ -187,6 +187,24 @@ def test_checkpoint_roundtrip(tmp_path):
     assert m2.checkpoint_metadata["note"] == "test"
 
 
+def test_interrupted_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    import safetensors.torch
+    m = _model()
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(m, path)
+    before = path.read_bytes()
+
+    def torn(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", torn)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(_model(seed=1), path)
+    assert path.read_bytes() == before                       # the old checkpoint, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]   # no temporary left behind
+
+
 def test_fp8_kv_cache_needs_the_584_byte_geometry():
     with pytest.raises(ValueError, match="head_dim 512"):
         LayerCache.allocate(tiny_config(), 0, 4, 8, kv_format="fp8")
@@ -205,13 +223,13 @@ def test_fp8_kv_cache_decode_equals_dense_cache_of_rounded_rows(monkeypatch):
         eng = Engine(m, max_batch=2, max_len=32, page_size=8, kv_format="fp8", backends=TORCH)
         assert eng.cache.main[0].kv.dtype == torch.uint8 and eng.cache.main[0].kv.shape[-1] == 584
         got = _decode_chunks(m, eng, toks, [16, 3], TORCH)
-        write = Attention._write
+        write = Attention.write_kv
 
         def rounded(kv_flat, slots, values, fp8):
             flat = values.reshape(-1, values.shape[-1])
             write(kv_flat, slots, quant.unpack_kv_fp8(quant.pack_kv_fp8(flat)).view_as(values), fp8)
 
-        monkeypatch.setattr(Attention, "_write", staticmethod(rounded))
+        monkeypatch.setattr(Attention, "write_kv", staticmethod(rounded))
         eng = Engine(m, max_batch=2, max_len=32, page_size=8, backends=TORCH)
         ref = _decode_chunks(m, eng, toks, [16, 3], TORCH)
     assert (got - ref).abs().max().item() < FP32_TOL

@@ -1,6 +1,6 @@
-"""The decode-step driver (dsv4lab.step): mini size in the interpreter, real size on a GPU.
+"""The decode-step driver (dsv4lab.drivers.step): mini size in the interpreter, real size on a GPU.
 
-Tolerances (relative L2 error, documented in dsv4lab.step): presets with bf16 KV on both
+Tolerances (relative L2 error, documented in dsv4lab.drivers.step): presets with bf16 KV on both
 sides agree within ``TOL_SAME_KV`` (2e-2: bf16 roundings of the attention output, fp32
 vs bf16 indexer keys cannot change the selection while every entry is visible); the FP8
 KV cache (real size only) within ``TOL_FP8_KV`` (6e-2: e4m3 latent values).
@@ -13,14 +13,15 @@ from hypothesis import given, settings, strategies as st
 
 import dsv4lab  # noqa: F401  (interpreter switch before triton)
 from dsv4lab import model as M
-from dsv4lab import step as S
+from dsv4lab.drivers import presets as P
+from dsv4lab.drivers import step as S
+from dsv4lab.drivers import timing as T
 from dsv4lab.backends import BackendUnavailable
 from dsv4lab.config import DSV4Config
 
 MINI = DSV4Config.mini()
 BATCH, CONTEXT = 2, 40          # 40 tokens: 10 c4 entries < index_topk 16, all visible
-TORCH_REF = S.StepConfig(name="torch", attention="torch", indexer="torch_fallback",
-                         indexer_dtype="fp32", kv_cache="bf16", moe="torch")
+TORCH_REF = P.TORCH_REFERENCE
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,8 @@ def driver():
 def runs(driver):
     """Every preset once (one profiled step each, in the interpreter)."""
     out = {}
-    for name in S.PRESET_NAMES:
-        state = driver.prepare(S.preset(name, MINI), batch=BATCH, context=CONTEXT)
+    for name in P.PRESET_NAMES:
+        state = driver.prepare(P.preset(name, MINI), batch=BATCH, context=CONTEXT)
         prof = driver.profile(state)
         out[name] = (state, prof, driver.row(state, prof))
     return out
@@ -43,54 +44,54 @@ def runs(driver):
 CONFIG_FIELDS = ("attention", "indexer", "indexer_dtype", "kv_cache", "moe", "mhc", "max_context")
 
 
-def _diff(a: S.StepConfig, b: S.StepConfig) -> set:
+def _diff(a: P.StepConfig, b: P.StepConfig) -> set:
     return {f for f in CONFIG_FIELDS if getattr(a, f) != getattr(b, f)}
 
 
 def test_presets_change_one_thing_at_a_time():
     cfg = DSV4Config.flash()
-    before, after = S.preset("before", cfg), S.preset("after", cfg)
+    before, after = P.preset("before", cfg), P.preset("after", cfg)
     assert before.max_context == after.max_context == 1048576
     assert (before.attention, before.indexer, before.indexer_dtype, before.kv_cache) == \
         ("simt", "torch_fallback", "fp32", "bf16")
     assert (after.attention, after.indexer, after.indexer_dtype, after.kv_cache, after.moe) == \
         ("mma", "triton", "fp8", "fp8", "triton")
-    for name in S.SINGLE_CHANGES:
-        p = S.preset(name, cfg)
+    for name in P.SINGLE_CHANGES:
+        p = P.preset(name, cfg)
         assert len(_diff(p, before)) == 1, (name, _diff(p, before))
         assert p.change
-    for name in S.ABLATIONS:
-        assert _diff(S.preset(name, cfg), after)
-    assert S.preset("cap_8k", cfg).max_context == 8192
-    assert not S.preset("moe_torch", cfg).capturable and S.preset("after", cfg).capturable
+    for name in P.ABLATIONS:
+        assert _diff(P.preset(name, cfg), after)
+    assert P.preset("cap_8k", cfg).max_context == 8192
+    assert not P.preset("moe_torch", cfg).capturable and P.preset("after", cfg).capturable
 
 
 def test_mini_adapts_fp8_kv_and_says_so():
-    p = S.preset("after", MINI)
+    p = P.preset("after", MINI)
     assert p.kv_cache == "bf16" and "FP8 KV" in p.note
-    assert S.preset("after", DSV4Config.flash()).kv_cache == "fp8"
+    assert P.preset("after", DSV4Config.flash()).kv_cache == "fp8"
 
 
 def test_bad_configs_fail_early(driver):
     with pytest.raises(ValueError, match="max_context"):
-        driver.prepare(S.preset("cap_8k", MINI), batch=1, context=S.cap_context(MINI) + 1)
+        driver.prepare(P.preset("cap_8k", MINI), batch=1, context=P.cap_context(MINI) + 1)
     with pytest.raises(ValueError, match="indexer_dtype"):
-        driver.prepare(S.StepConfig(indexer_dtype="fp16"), batch=1, context=8)
+        driver.prepare(P.StepConfig(indexer_dtype="fp16"), batch=1, context=8)
     with pytest.raises(ValueError, match="batch"):
-        driver.prepare(S.preset("before", MINI), batch=0, context=8)
+        driver.prepare(P.preset("before", MINI), batch=0, context=8)
     with pytest.raises(ValueError, match="context"):
-        driver.prepare(S.preset("before", MINI), batch=1, context=0)
+        driver.prepare(P.preset("before", MINI), batch=1, context=0)
     with pytest.raises(BackendUnavailable, match="unknown backend"):
-        driver.prepare(S.StepConfig(attention="flashmla"), batch=1, context=8)
+        driver.prepare(P.StepConfig(attention="flashmla"), batch=1, context=8)
     with pytest.raises(ValueError, match="unknown preset"):
-        S.preset("fastest")
+        P.preset("fastest")
 
 
 # ---------------------------------------------------------------- every preset runs ---
-@pytest.mark.parametrize("name", S.PRESET_NAMES)
+@pytest.mark.parametrize("name", P.PRESET_NAMES)
 def test_every_preset_runs_and_components_sum(runs, name):
     state, prof, row = runs[name]
-    assert prof["timing"] == "interpreter_wall"
+    assert prof["timing"] == "interpreter_wall" and prof["mode"] == row["mode"] == "eager"
     for k, v in prof["outputs"].items():
         assert torch.isfinite(v.float()).all(), (name, k)
     # the components partition the step: per kind, over the step, and after extrapolation
@@ -103,12 +104,12 @@ def test_every_preset_runs_and_components_sum(runs, name):
     assert prof["kind_ms"][0]["compressor"] == prof["kind_ms"][0]["indexer"] == 0.0
     assert prof["kind_ms"][128]["indexer"] == 0.0
     assert prof["kind_ms"][4]["indexer"] > 0 and prof["kind_ms"][4]["attention"] > 0
-    assert row["max_context"] == (S.cap_context(MINI) if name == "cap_8k" else MINI.max_position_embeddings)
+    assert row["max_context"] == (P.cap_context(MINI) if name == "cap_8k" else MINI.max_position_embeddings)
 
 
 def test_presets_agree_numerically(runs):
     ref = runs["before"][1]["outputs"]
-    for name in S.PRESET_NAMES:
+    for name in P.PRESET_NAMES:
         err = S.compare_outputs(runs[name][1]["outputs"], ref)
         assert set(err) == {0, 4, 128, "attention 0", "attention 4", "attention 128", "logits"}
         assert max(err.values()) <= S.TOL_SAME_KV, (name, err)
@@ -116,13 +117,13 @@ def test_presets_agree_numerically(runs):
 
 def test_attention_differs_when_the_cache_differs(driver, runs):
     """The comparison can fail: other cache values give other attention outputs."""
-    state = driver.prepare(S.preset("before", MINI), batch=BATCH, context=CONTEXT, seed=7)
+    state = driver.prepare(P.preset("before", MINI), batch=BATCH, context=CONTEXT, seed=7)
     other = driver.run(state)
     err = S.compare_outputs(other, runs["before"][1]["outputs"])
     assert err["attention 4"] > 10 * S.TOL_SAME_KV
 
 
-# ---------------------------------------------------------------- the composed layer --
+# ---------------------------------------------------------------- the marked step -----
 def _clone_cache(c: M.LayerCache) -> M.LayerCache:
     return M.LayerCache(**{k: (v.clone() if isinstance(v, torch.Tensor) else v)
                            for k, v in vars(c).items()})
@@ -130,33 +131,89 @@ def _clone_cache(c: M.LayerCache) -> M.LayerCache:
 
 @settings(max_examples=8, deadline=None)
 @given(batch=st.integers(1, 3), context=st.sampled_from([1, 3, 4, 17, 64, 127, 128, 129, 300]))
-def test_layer_forward_is_block_forward_decode(driver, batch, context):
-    """The component-marked layer computes exactly what Block.forward_decode computes."""
+def test_marked_step_computes_block_forward_decode(driver, batch, context):
+    """The driver's step, with a mark after every component, computes exactly what an
+    unmarked Block.forward_decode computes, and marks the components in order."""
     state = driver.prepare(TORCH_REF, batch=batch, context=context)
     be = state.step.backends()
+    fresh = {r: _clone_cache(c) for r, c in state.caches.items()}
+    marks = []
+    got = driver.run(state, lambda layer, c: marks.append((layer, c)))
     for r, blk in driver.layers.items():
-        c1, c2 = _clone_cache(state.caches[r]), _clone_cache(state.caches[r])
-        marks = []
         with torch.no_grad():
-            want = blk.forward_decode(state.x, state.tokens, state.metas[r], c1, be)
-            got = S.layer_forward(blk, state.x, state.tokens, state.metas[r], c2, be, marks.append)
-        assert torch.equal(got, want), (r, batch, context)
-        assert torch.equal(c1.kv, c2.kv)
+            want = blk.forward_decode(state.x, state.tokens, state.metas[r], fresh[r], be)
+        assert torch.equal(got[r], want), (r, batch, context)
+        assert torch.equal(fresh[r].kv, state.caches[r].kv)
         expect = ["mhc", "qkv"] + (["compressor"] if r else []) + (["indexer"] if r == 4 else []) \
             + ["attention", "out_proj", "mhc", "moe", "mhc"]
-        assert marks == expect
+        assert [c for layer, c in marks if layer == r] == expect
+        assert got[f"attention {r}"].shape == (batch, 1, MINI.num_heads, MINI.head_dim)
+    assert [c for layer, c in marks if layer == S.HEAD] == ["embed", "head"]
+
+
+def test_attention_slots_are_v4_flashs():
+    """What one query attends at Flash's shapes (DESIGN.md): window-only 128; CSA 128 window +
+    the indexer's top-512 = 640; HCA 128 + context/128 entries (the list sized for 1M)."""
+    flash = DSV4Config.flash()
+    at = {c: S.attention_slots(flash, context=c) for c in (512, 131072, 1048576)}
+    assert all(a[0] == {"slots": 128, "visible": 128} for a in at.values())
+    assert at[131072][4] == {"slots": 640, "visible": 640}
+    assert at[512][4] == {"slots": 640, "visible": 128 + 512 // 4}       # fewer entries than top-k
+    assert at[131072][128] == {"slots": 128 + 8192, "visible": 128 + 1024}
+    assert at[1048576][128]["visible"] == 128 + 8192
+    assert S.attention_slots(flash, context=512, max_context=8192)[128]["slots"] == 128 + 64
+    with pytest.raises(ValueError, match="context"):
+        S.attention_slots(flash, context=0)
+
+
+def test_driver_hands_attention_those_slots(driver):
+    state = driver.prepare(TORCH_REF, batch=2, context=CONTEXT)
+    want = S.attention_slots(MINI, context=CONTEXT, page_size=driver.page_size)
+    seen = {}
+    for r, blk in driver.layers.items():
+        def spy(q, idx, *args, r=r, attend=blk.attn.attend, **kw):
+            seen[r] = idx
+            return attend(q, idx, *args, **kw)
+        blk.attn.attend = spy
+    try:
+        driver.run(state)
+    finally:
+        for blk in driver.layers.values():
+            del blk.attn.attend
+    for r, idx in seen.items():
+        assert idx.shape == (2, 1, want[r]["slots"]), r
+        assert ((idx >= 0).sum(-1) == want[r]["visible"]).all(), r
+    assert sorted(seen) == sorted(driver.layers)
 
 
 def test_cache_pages_follow_context_tables_follow_max_context(driver):
-    a = driver.prepare(S.preset("before", MINI), batch=3, context=CONTEXT)
-    b = driver.prepare(S.preset("cap_8k", MINI), batch=3, context=CONTEXT)
+    a = driver.prepare(P.preset("before", MINI), batch=3, context=CONTEXT)
+    b = driver.prepare(P.preset("cap_8k", MINI), batch=3, context=CONTEXT)
     page = driver.page_size
     for r in driver.layers:
         assert a.pages[r] == b.pages[r]                       # storage: actual context only
     assert a.metas[4].cblock_table.shape[1] * page == MINI.max_position_embeddings // 4
-    assert b.metas[4].cblock_table.shape[1] * page == S.cap_context(MINI) // 4
+    assert b.metas[4].cblock_table.shape[1] * page == P.cap_context(MINI) // 4
     assert a.metas[128].all_entries[128].shape[-1] == MINI.max_position_embeddings // 128
     assert a.pages[4] < a.metas[4].cblock_table.numel()       # far fewer pages than the table spans
+
+
+# ---------------------------------------------------------------- timing marks --------
+def test_marks_segments_and_modes():
+    with pytest.raises(ValueError, match="kind"):
+        T.Marks("cuda")
+    m = T.Marks("wall")
+    m.begin()
+    for name in ((0, "mhc"), (0, "mhc"), (4, "moe")):
+        m(*name)
+    seg = m.segments()
+    assert [s[:2] for s in seg] == [(0, "mhc"), (0, "mhc"), (4, "moe")] and all(s[2] >= 0 for s in seg)
+    med = T.segment_medians([seg, seg])                     # a component marked twice is summed
+    assert med[(0, "mhc")] == pytest.approx(seg[0][2] + seg[1][2]) and set(med) == {(0, "mhc"), (4, "moe")}
+    assert T.mode_of("cuda_graph_events") == T.mode_of("eager_event_shares_x_cuda_graph") == "graph"
+    assert T.mode_of("eager_events") == T.mode_of("interpreter_wall") == "eager"
+    assert S.row_mode({"timing": "eager_events"}) == "eager" and S.row_mode({}) == "graph"
+    assert S.row_mode({"mode": "eager", "timing": "cuda_graph_events"}) == "eager"
 
 
 # ---------------------------------------------------------------- extrapolation -------
@@ -192,7 +249,9 @@ def test_targets_from_rows():
             dict(preset="indexer_triton", max_context=1048576, tokens_per_s=450.0, **base),
             dict(preset="after", max_context=8192, tokens_per_s=600.0, **base),
             dict(preset="after", max_context=131072, tokens_per_s=590.0, **base),
-            dict(preset="after", max_context=1048576, tokens_per_s=540.0, **base)]
+            dict(preset="after", max_context=1048576, tokens_per_s=540.0, **base),
+            dict(preset="after", max_context=1048576, tokens_per_s=1.0, mode="eager", **base),
+            dict(preset="indexer_triton", max_context=1048576, tokens_per_s=1.0, timing="eager_events", **base)]
     t = {x["target"].split(" (")[0]: x for x in S.targets(rows)}
     assert math.isclose(t["indexer_triton alone vs before"]["value"], 15.0) and t["indexer_triton alone vs before"]["met"]
     # Amdahl: 2000 ms with a 1900 ms indexer -> no indexer beats 2000 / 100 = 20x
@@ -202,12 +261,27 @@ def test_targets_from_rows():
     assert S.targets([]) == []
 
 
+def test_plots_keep_graph_and_eager_rows_apart():
+    from dsv4lab.plots import step as SP
+    base = dict(concurrency=64, context=512, model="m", step_ms=10.0, max_context=1048576)
+    rows = [dict(preset="after", tokens_per_s=700.0, mode="graph", **base),
+            dict(preset="after", tokens_per_s=500.0, mode="eager", **base),
+            dict(preset="before", tokens_per_s=100.0, timing="cuda_graph_events", **base)]
+    graph, eager = SP.usable(rows), SP.usable(rows, mode="eager")
+    assert {r["preset"] for r in graph} == {"after", "before"} and [r["tokens_per_s"] for r in eager] == [500.0]
+    h = {x["preset"]: x for x in SP.headline_rows(graph, eager) if x["concurrency"] == 64}
+    assert h["after"]["tokens_per_s"] == 700.0 and h["after"]["eager_tokens_per_s"] == 500.0
+    assert h["before"]["eager_tokens_per_s"] is None
+
+
 def test_smoke_benchmark_rows():
     from dsv4lab.benchmarks import step as B
     rows = B.measure(B.SMOKE_GRID[:1], cfg=MINI, verbose=False)
     assert len(rows) == 1 and "error" not in rows[0], rows
     assert rows[0]["preset"] == "before" and rows[0]["tokens_per_s"] > 0
     assert B.format_row(rows[0]).startswith("before")
+    assert rows[0]["mode"] == "eager"                     # the interpreter: no graph
+    assert all(item in B.FULL_GRID for item in B.HEADLINE) and set(B.TARGET_GRID) <= B.HEADLINE
 
 
 # ---------------------------------------------------------------- real size (GPU) -----
@@ -219,7 +293,7 @@ def test_real_size_layers_small_batch():
     assert drv.layers[4].moe.fmt == "mxfp4" and drv.layers[4].moe.w13.shape == (256, 4096, 2048)
     outs, rows = {}, {}
     for name in ("before", "after_kv_bf16", "after"):
-        sc = S.preset(name, cfg).replace(max_context=8192)
+        sc = P.preset(name, cfg).replace(max_context=8192)
         state = drv.prepare(sc, batch=2, context=512)      # 128 c4 entries < top-512: all kept
         prof = drv.profile(state, reps=2)
         outs[name] = drv.run(state)
@@ -229,7 +303,10 @@ def test_real_size_layers_small_batch():
         r = rows[name]
         assert math.isclose(sum(r[f"ms_{c}"] for c in S.COMPONENTS), r["step_ms"], rel_tol=1e-9)
         assert r["timing"] in ("cuda_graph_events", "eager_event_shares_x_cuda_graph"), r
-        assert r["step_ms"] > 0
+        assert r["mode"] == "graph" and r["step_ms"] > 0
+    eager = drv.row(state, drv.profile(state, reps=2, graph=False))
+    assert eager["mode"] == "eager" and eager["timing"] == "eager_events"
+    assert math.isclose(sum(eager[f"ms_{c}"] for c in S.COMPONENTS), eager["step_ms"], rel_tol=1e-9)
     same = S.compare_outputs(outs["after_kv_bf16"], outs["before"])
     assert max(same.values()) <= S.TOL_SAME_KV, same
     fp8 = S.compare_outputs(outs["after"], outs["before"])

@@ -1,22 +1,24 @@
 """``dsv4lab bench step``: the decode step at real scale, before and after, per component.
 
-Full mode (a GPU): three real-size DeepSeek-V4-Flash layers (ratio 0, 4, 128) + head,
-one CUDA graph per configuration with timing events between components
-(:mod:`dsv4lab.step`), tokens/s extrapolated to the 43-layer model. The grid, in the order
-it runs (a time budget, 120 s by default or ``$DSV4LAB_STEP_BUDGET_S``, skips what is
+Full mode (a GPU): three real-size DeepSeek-V4-Flash layers (ratio 0, 4, 128) + head, one
+CUDA graph per configuration with timing events between components
+(:mod:`dsv4lab.drivers.step`), tokens/s extrapolated to the 43-layer model. Every row is the
+graph replay of the captured step (``mode="graph"``); the headline cases (:data:`HEADLINE`)
+also record the same step called eagerly (``mode="eager"``: host gaps included). A
+configuration that cannot be captured ("moe_torch") is timed eagerly only. The grid, in the
+order it runs (a time budget, 120 s by default or ``$DSV4LAB_STEP_BUDGET_S``, skips what is
 left and says so, because a killed benchmark records nothing):
 
-1. the targets at concurrency 64, 512-token contexts: "before" (1M max context), the
-   indexer fix alone ("indexer_triton"), the campaign's cap ("cap_8k"), "after" at max
-   context 8,192 / 131,072 / 1,048,576;
+1. the targets at concurrency 64, 512-token contexts: "before" (1M max context), the indexer
+   fix alone ("indexer_triton"), the campaign's cap ("cap_8k"), "after" at max context
+   8,192 / 131,072 / 1,048,576;
 2. "before" and "after" at concurrency 1, 8, 32, 128 (512-token contexts);
 3. the other single changes and the ablations of "after" at concurrency 64;
 4. 131,072-token contexts: "after" at every concurrency, "before" at 1, 8, 64, 128;
-5. the rest ("moe_torch": timed eagerly, it cannot be captured; more ablations).
+5. the rest ("moe_torch", more ablations).
 
-Smoke mode: the same driver on ``DSV4Config.mini()`` in Triton's interpreter ("before"
-and "after", batch 2, 40-token contexts): seconds, and the timings are interpreter wall
-times.
+Smoke mode: the same driver on ``DSV4Config.mini()`` in Triton's interpreter ("before" and
+"after", batch 2, 40-token contexts): seconds, and the timings are interpreter wall times.
 
 Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
@@ -29,7 +31,8 @@ import time
 import torch
 
 from dsv4lab import runtime
-from dsv4lab import step as S
+from dsv4lab.drivers import presets as P
+from dsv4lab.drivers import step as S
 from dsv4lab.bench import benchmark
 from dsv4lab.config import DSV4Config
 
@@ -64,14 +67,17 @@ FULL_GRID = (
 NOTEBOOK_GRID = TARGET_GRID + [(p, c, 512, None) for c in (1, 8, 128) for p in ("after", "before")] \
     + [("mma", 64, 512, None)]
 SMOKE_GRID = [("before", 2, 40, None), ("after", 2, 40, None)]
+# the cases that also record the eager step (the targets, and before/after at concurrency 1)
+HEADLINE = frozenset(TARGET_GRID + [("before", 1, 512, None), ("after", 1, 512, None)])
 
 
 def measure(grid, *, cfg: DSV4Config | None = None, budget_s: float | None = None,
-            reps: int | None = None, verbose: bool = True) -> list[dict]:
-    """Run ``grid`` (tuples as above) on one :class:`~dsv4lab.step.StepDriver`; rows out.
+            reps: int | None = None, verbose: bool = True, eager=HEADLINE) -> list[dict]:
+    """Run ``grid`` (tuples as above) on one :class:`~dsv4lab.drivers.step.StepDriver`; rows out.
 
-    Stops starting new configurations once ``budget_s`` is nearly spent (reports the rest
-    as skipped on stdout).
+    One row per configuration (its graph replay, or its eager step where it cannot be
+    captured), plus an eager row for the items in ``eager`` on a GPU. Stops starting new
+    configurations once ``budget_s`` is nearly spent (reports the rest as skipped on stdout).
     """
     t0 = time.perf_counter()
     cfg = cfg or (DSV4Config.flash() if runtime.has_cuda() else DSV4Config.mini())
@@ -88,27 +94,30 @@ def measure(grid, *, cfg: DSV4Config | None = None, budget_s: float | None = Non
             skipped.append(item)
             continue
         t1 = time.perf_counter()
-        sc = S.preset(name, cfg)
+        sc = P.preset(name, cfg)
         if max_ctx is not None:
             sc = sc.replace(max_context=max_ctx)
+        item_rows = []
         try:
             state = driver.prepare(sc, batch=conc, context=ctx)
-            prof = driver.profile(state, reps=reps)
-            row = driver.row(state, prof)
+            item_rows.append(driver.row(state, driver.profile(state, reps=reps)))
+            if item in eager and runtime.has_cuda() and item_rows[0]["mode"] == "graph":
+                item_rows.append(driver.row(state, driver.profile(state, reps=reps, graph=False)))
         except Exception as e:  # one failing configuration must not lose the others
-            row = {"preset": name, "concurrency": conc, "context": ctx,
-                   "max_context": sc.for_model(cfg).max_context, "model": cfg.name,
-                   "error": f"{type(e).__name__}: {e}"[:500]}
+            item_rows.append({"preset": name, "concurrency": conc, "context": ctx,
+                              "max_context": sc.for_model(cfg).max_context, "model": cfg.name,
+                              "error": f"{type(e).__name__}: {e}"[:500]})
         finally:
-            state = prof = None
+            state = None
             gc.collect()
             if runtime.has_cuda():
                 torch.cuda.empty_cache()
-        row["wall_s"] = time.perf_counter() - t1
-        last = row["wall_s"]
-        rows.append(row)
-        if verbose:
-            print(format_row(row), flush=True)
+        last = time.perf_counter() - t1
+        for row in item_rows:
+            row["wall_s"] = last
+            rows.append(row)
+            if verbose:
+                print(format_row(row), flush=True)
     if verbose:
         for item in skipped:
             print(f"  skipped (time budget {budget:.0f} s): {item}")
@@ -122,7 +131,7 @@ def measure(grid, *, cfg: DSV4Config | None = None, budget_s: float | None = Non
 def format_row(row: dict) -> str:
     """One line: configuration, step time, tokens/s, component shares."""
     head = (f"{row['preset']:15s} c{row['concurrency']:<4d} ctx {row['context']:>7,} "
-            f"max {row['max_context']:>9,}")
+            f"max {row['max_context']:>9,} {S.row_mode(row):5s}")
     if "error" in row:
         return f"{head}  ERROR {row['error'][:160]}"
     tot = row["step_ms"]

@@ -17,9 +17,9 @@ import html
 import matplotlib.pyplot as plt
 
 from dsv4lab import results
-from dsv4lab import step as S
+from dsv4lab.drivers import step as S
 
-KEYS = ("preset", "concurrency", "context", "max_context", "model")
+KEYS = ("preset", "concurrency", "context", "max_context", "model", "mode")
 PROFILE_PRESETS = ("before", "cap_8k", "indexer_triton", "indexer_fp8", "mma", "after_simt",
                    "after_kv_bf16", "after")
 COLORS = {"attention": "#4C72B0", "indexer": "#DD8452", "MoE": "#55A868", "projections": "#8172B3",
@@ -27,12 +27,15 @@ COLORS = {"attention": "#4C72B0", "indexer": "#DD8452", "MoE": "#55A868", "proje
 FLASH_MAX = 1048576
 
 
-def usable(rows, *, smoke: bool | None = False) -> list[dict]:
-    """Rows without errors, newest per configuration; ``smoke`` False drops smoke rows."""
+def usable(rows, *, smoke: bool | None = False, mode: str | None = "graph") -> list[dict]:
+    """Rows without errors, newest per configuration; ``smoke`` False drops smoke rows (None
+    keeps both); ``mode`` keeps the graph replays (the default) or the eager steps (None: both)."""
     rows = [r for r in rows if "error" not in r and r.get("step_ms")]
     if smoke is not None:
         rows = [r for r in rows if bool(r.get("smoke", False)) == smoke]
-    return results.latest(rows, KEYS)
+    if mode is not None:
+        rows = [r for r in rows if S.row_mode(r) == mode]
+    return results.latest([{**r, "mode": S.row_mode(r)} for r in rows], KEYS)
 
 
 def _pick(rows, preset, concurrency, context, max_context=FLASH_MAX):
@@ -40,6 +43,28 @@ def _pick(rows, preset, concurrency, context, max_context=FLASH_MAX):
            and r["context"] == context and (max_context is None or r["max_context"] == max_context
                                             or preset == "cap_8k")]
     return sel[-1] if sel else None
+
+
+HEADLINE = (("before", 64, FLASH_MAX), ("indexer_triton", 64, FLASH_MAX), ("cap_8k", 64, None),
+            ("mma", 64, FLASH_MAX), ("after", 64, 8192), ("after", 64, 131072), ("after", 64, FLASH_MAX),
+            ("before", 1, FLASH_MAX), ("after", 1, FLASH_MAX))
+
+
+def headline_rows(rows, eager_rows=(), *, context: int = 512) -> list[dict]:
+    """The benchmark's headline configurations (512-token contexts), one dict each: preset,
+    concurrency, max context, the graph replay's step ms and tokens/s, and the eager step's
+    tokens/s where one was recorded (None otherwise)."""
+    rows, eager_rows = list(rows), list(eager_rows)
+    out = []
+    for preset, conc, mc in HEADLINE:
+        g = _pick(rows, preset, conc, context, mc)
+        if g is None:
+            continue
+        e = _pick(eager_rows, preset, conc, context, mc)
+        out.append({"preset": preset, "concurrency": conc, "max_context": g["max_context"],
+                    "step_ms": g["step_ms"], "tokens_per_s": g["tokens_per_s"],
+                    "eager_tokens_per_s": e["tokens_per_s"] if e else None})
+    return out
 
 
 def _empty(ax, msg="no recorded rows yet (run `dsv4lab bench step` on a GPU)"):

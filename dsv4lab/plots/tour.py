@@ -122,15 +122,17 @@ def plot_anatomy(rows_by_label, *, device=None):
 
 
 def plot_l2_states(rows, *, ax=None):
-    """``dsv4lab bench l2`` rows: GB/s of a read-only kernel against its size, one line per L2
-    state before the call (dirty: do_bench's zero fill; clean: a reading flush), with the
-    device's recorded bandwidth. The gap is the timing method's fixed cost, not the kernel's."""
+    """``dsv4lab bench l2`` rows (graph replays): GB/s of a read-only kernel against its size,
+    one line per L2 state before the call (dirty: do_bench's zero fill; clean: a reading
+    flush), with the device's recorded bandwidth. The gap is the timing method's fixed cost,
+    not the kernel's."""
     from dsv4lab import results
     from dsv4lab.plots._common import latest, note
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
-    rows = [r for r in latest(rows, ("op", "MB", "l2", "gpu")) if r.get("op") == "stream_read" and r.get("l2")]
+    rows = [r for r in latest([r for r in rows if r.get("mode", "graph") == "graph"], ("op", "MB", "l2", "gpu"))
+            if r.get("op") == "stream_read" and r.get("l2")]
     if not rows:
         note(ax, "no recorded GPU rows of `dsv4lab bench l2` yet")
         return ax

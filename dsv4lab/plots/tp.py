@@ -16,7 +16,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dsv4lab import results
-from dsv4lab import tp as T
+from dsv4lab.drivers import analytic as A
+from dsv4lab.drivers import tp as T
 
 COLORS = {"attention": "#4C72B0", "indexer": "#DD8452", "MoE": "#55A868", "all-reduce": "#C44E52",
           "projections": "#8172B3", "mHC": "#937860", "LM head + embedding": "#999999"}
@@ -62,7 +63,7 @@ def _ax(ax, size):
 def plot_components(rows, *, ax=None, model_link: str = "nvlink"):
     """Stacked bars, ms per (43-layer) step by group, one bar per (TP, concurrency).
 
-    Measured rows when there are any; otherwise :func:`dsv4lab.tp.analytic_rows` over
+    Measured rows when there are any; otherwise :func:`dsv4lab.drivers.analytic.analytic_rows` over
     ``model_link``, titled "analytic model".
     """
     rows = list(rows)
@@ -76,12 +77,12 @@ def plot_components(rows, *, ax=None, model_link: str = "nvlink"):
                  f"preset {meas[0]['preset']})\n{results.label(meas)}")
     else:
         an = [r for r in of_kind(rows, "analytic") if model_link in r["link"].lower()] or \
-            [r for r in T.analytic_rows() if model_link in r["link"].lower()]
+            [r for r in A.analytic_rows() if model_link in r["link"].lower()]
         if not an:
             _empty(ax, "no rows")
             return fig
         an = sorted(an, key=lambda r: (r["tp"], r["concurrency"]))
-        groups = list(T.ANALYTIC_GROUPS)
+        groups = list(A.ANALYTIC_GROUPS)
         bars = [(f"TP{r['tp']}\nc{r['concurrency']}", {g: r[f"ms_{g}"] for g in groups}, r) for r in an]
         title = (f"ANALYTIC MODEL (no measured TP rows yet): {an[0]['link']} on {an[0]['device']}, "
                  f"roofline compute + ring all-reduce, 43 layers")
@@ -112,15 +113,15 @@ def plot_allreduce(rows, *, ax=None):
     for n in sorted({r["tp"] for r in meas}):
         sel = sorted((r for r in meas if r["tp"] == n), key=lambda r: r["bytes"])
         ax.plot([r["bytes"] for r in sel], [r["busbw_gbs"] for r in sel], "o-", label=f"measured TP{n}")
-    for key, link in T.LINKS.items():
+    for key, link in A.LINKS.items():
         for n in sorted({r["tp"] for r in meas} or {4}):
-            model = [s * T.ring_factor(n) / T.allreduce_time(s, n, link) / 1e9 for s in sizes]
+            model = [s * A.ring_factor(n) / A.allreduce_time(s, n, link) / 1e9 for s in sizes]
             ax.plot(sizes, model, "--", alpha=0.7, label=f"model {link.name} TP{n}")
-    ax.axhline(T.NVLINK_H200.bandwidth / 1e9, color="k", lw=0.8, ls=":")
-    ax.text(sizes[0], T.NVLINK_H200.bandwidth / 1e9 * 1.05,
+    ax.axhline(A.NVLINK_H200.bandwidth / 1e9, color="k", lw=0.8, ls=":")
+    ax.text(sizes[0], A.NVLINK_H200.bandwidth / 1e9 * 1.05,
             "NVLink datasheet: 900 GB/s both directions = 450 per direction", fontsize=7)
-    ax.axhline(T.PCIE_GEN5.bandwidth / 1e9, color="gray", lw=0.8, ls=":")
-    ax.text(sizes[0], T.PCIE_GEN5.bandwidth / 1e9 * 1.05, "PCIe Gen5 x16: 64 GB/s per direction", fontsize=7)
+    ax.axhline(A.PCIE_GEN5.bandwidth / 1e9, color="gray", lw=0.8, ls=":")
+    ax.text(sizes[0], A.PCIE_GEN5.bandwidth / 1e9 * 1.05, "PCIe Gen5 x16: 64 GB/s per direction", fontsize=7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("message (bytes)")
@@ -134,9 +135,9 @@ def plot_allreduce(rows, *, ax=None):
 def plot_analytic(rows=None, *, ax=None):
     """The model's all-reduce share of the step against concurrency, PCIe Gen5 vs NVLink,
     one line per TP degree (recorded analytic rows, else computed now)."""
-    an = of_kind(rows or [], "analytic") or T.analytic_rows()
+    an = of_kind(rows or [], "analytic") or A.analytic_rows()
     fig, ax = _ax(ax, (8, 4))
-    for key, link in T.LINKS.items():
+    for key, link in A.LINKS.items():
         for n in sorted({r["tp"] for r in an if r["tp"] > 1}):
             sel = sorted((r for r in an if r["tp"] == n and r["link"] == link.name), key=lambda r: r["concurrency"])
             if sel:
