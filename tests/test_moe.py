@@ -1,46 +1,46 @@
-"""Routing and fused_moe: the Triton port against the fp32 torch reference.
+"""Routing and fused_moe: the kernel family (its dispatch, the Triton lesson kernel) against
+the fp32 torch reference, and the op's checks.
 
 notebooks/04_mxfp4_moe_port.ipynb. CPU runs go through Triton's interpreter (tiny shapes);
-the gpu-marked tests use DeepSeek-V4-Flash's hidden/intermediate sizes.
+the gpu-marked tests use DeepSeek-V4-Flash's hidden/intermediate sizes and, on an H200,
+check which route of the dispatch table ran (the fast paths' own tests:
+tests/test_moe_sm90.py).
 
-Tolerances (max abs error relative to max |reference|):
-- x fp32: 3e-3. The kernel feeds x and the SwiGLU activations to the dot as fp16
+Tolerances (max abs error relative to max |reference|, tests/_moe_support.py TOL):
+- x fp32: 3e-3. The kernels feed x and the SwiGLU activations to the dot as fp16
   (10-bit mantissa, rel. 4.9e-4 each) with exact fp16 weights and fp32 accumulation.
 - x bf16: 1.2e-2: the output itself is rounded to bf16 (rel. 3.9e-3), on top of the above.
 """
 import dsv4lab  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
+import dataclasses
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from dsv4lab import backends
+from dsv4lab.kernels.device import CAPABILITIES, DeviceProps, choose
+from dsv4lab.kernels.moe import dispatch, triton_moe
+from dsv4lab.kernels.moe.triton_moe import Tiles
 from dsv4lab.ops import fused_moe, hash_route, route
-from dsv4lab.ops.moe import moe_dense
-from dsv4lab.quant import mxfp4_dequantize, mxfp4_quantize, nvfp4_dequantize
+from dsv4lab.ops import moe as moe_ops
+from dsv4lab.quant import mxfp4_dequantize, nvfp4_dequantize
 
-from _moe_support import draw_routing, per_expert_globals, quantised_experts
+from _moe_support import assert_close, draw_routing, make_experts, per_expert_globals, run_moe
 
-TOL = {torch.float32: 3e-3, torch.bfloat16: 1.2e-2, torch.float16: 4e-3}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+H200 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def make_experts(E, H, I, fmt, *, seed=0, device="cpu", scale=0.5):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * scale).to(device)
-    w2 = (torch.randn(E, H, I, generator=g) * scale).to(device)
-    return quantised_experts(w13, w2, fmt)
+def _no_host_read(*a, **k):
+    raise AssertionError("host read of a tensor value")
 
 
-def run_moe(x, ex, ids, w, fmt, limit, backend):
-    return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
-                     swiglu_limit=limit, backend=backend, **ex["kw"])
-
-
-def assert_close(out, ref, dtype):
-    err = (out.float() - ref.float()).abs().max().item()
-    mag = ref.float().abs().max().item()
-    assert err <= TOL[dtype] * mag + 1e-5, f"max err {err} vs max |ref| {mag} (tol {TOL[dtype]})"
+def _trap_host_reads(m):
+    """Make every way of reading a tensor value on the host raise (inside monkeypatch ``m``)."""
+    for name in ("__int__", "__bool__", "__float__", "item", "tolist"):
+        m.setattr(torch.Tensor, name, _no_host_read)
 
 
 # ------------------------------------------------------------------ routing ---------------
@@ -74,36 +74,36 @@ def test_hash_route():
         hash_route(torch.tensor([3]), table)
     with pytest.raises(ValueError, match="token_ids"):
         hash_route(torch.tensor([0.5]), table)
+    with pytest.raises(ValueError, match=r"table holds expert ids outside \[0, E=3\)"):
+        hash_route(tok, table, torch.randn(3, 3))
 
 
-def test_hash_route_skips_host_checks_while_capturing(monkeypatch):
-    # during CUDA-graph capture hash_route must not read a tensor value on the host: with
-    # capture faked on, any int()/item()/bool() of a tensor raises; results are unchanged
-    from dsv4lab.ops import moe as moe_ops
+def test_hash_route_value_checks_skipped_while_capturing_or_asked(monkeypatch):
+    # during CUDA-graph capture (or with validate=False) hash_route reads no tensor value on
+    # the host; results are unchanged; shape/dtype checks still run; unguarded it reads once
     table = torch.tensor([[0, 1], [2, 3], [3, 0]], dtype=torch.int32)
     tok = torch.tensor([2, 0, 1])
     logits = torch.randn(3, 4)
     want = [hash_route(tok, table), hash_route(tok, table, logits)]
-
-    def no_host_read(*a, **k):
-        raise AssertionError("host read of a tensor value during capture")
-
-    with monkeypatch.context() as m:
-        m.setattr(moe_ops, "_is_capturing", lambda t: True)
-        for name in ("__int__", "__bool__", "item"):
-            m.setattr(torch.Tensor, name, no_host_read)
-        got = [hash_route(tok, table), hash_route(tok, table, logits)]
-        with pytest.raises(ValueError, match="token_ids"):     # shape/dtype checks still run
-            hash_route(torch.tensor([0.5]), table)
-        with pytest.raises(ValueError, match="router_logits"):
-            hash_route(tok, table, torch.randn(2, 4))
-    for (gi, gw), (wi, ww) in zip(got, want):
-        assert torch.equal(gi, wi)
-        torch.testing.assert_close(gw, ww)
-    with pytest.raises(AssertionError, match="host read"):     # the trap does fire unguarded
+    for capture, validate in ((True, True), (False, False)):
         with monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "__int__", no_host_read)
-            hash_route(tok, table)
+            m.setattr(moe_ops, "_is_capturing", lambda t: capture)
+            _trap_host_reads(m)
+            got = [hash_route(tok, table, validate=validate),
+                   hash_route(tok, table, logits, validate=validate)]
+            with pytest.raises(ValueError, match="token_ids"):
+                hash_route(torch.tensor([0.5]), table)
+            with pytest.raises(ValueError, match="router_logits"):
+                hash_route(tok, table, torch.randn(2, 4))
+        for (gi, gw), (wi, ww) in zip(got, want):
+            assert torch.equal(gi, wi)
+            torch.testing.assert_close(gw, ww)
+    reads = []
+    with monkeypatch.context() as m:
+        real = torch.Tensor.tolist
+        m.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+        hash_route(tok, torch.tensor([[1, 2], [0, 3], [2, 2]], dtype=torch.int32), logits)
+    assert len(reads) == 1                                    # one host sync
 
 
 def test_route_bad_inputs():
@@ -129,11 +129,11 @@ def test_torch_reference_is_dense_math(fmt):
         W13 = mxfp4_dequantize(ex["w13"], ex["w13_scale"])
         W2 = mxfp4_dequantize(ex["w2"], ex["w2_scale"])
     else:
-        W13 = nvfp4_dequantize(ex["w13"], ex["w13_scale"], ex["kw"]["w13_global"])
-        W2 = nvfp4_dequantize(ex["w2"], ex["w2_scale"], ex["kw"]["w2_global"])
+        g13, g2 = ex["kw"]["w13_global"], ex["kw"]["w2_global"]
+        W13 = torch.stack([nvfp4_dequantize(ex["w13"][e], ex["w13_scale"][e], g13[e]) for e in range(3)])
+        W2 = torch.stack([nvfp4_dequantize(ex["w2"][e], ex["w2_scale"][e], g2[e]) for e in range(3)])
     out = run_moe(x, ex, ids, w, fmt, 3.0, "torch")
-    # by hand, token by token
-    for t in range(4):
+    for t in range(4):                                        # by hand, token by token
         want = torch.zeros(64)
         for j in range(2):
             e = int(ids[t, j])
@@ -153,6 +153,8 @@ def test_torch_reference_is_dense_math(fmt):
        fmt=st.sampled_from(["mxfp4", "nvfp4"]), limit=st.sampled_from([None, 1.0, 10.0]),
        routing=st.sampled_from(["random", "skewed", "holes"]), seed=st.integers(0, 1000))
 def test_triton_matches_reference(T, E, k, H, I, fmt, limit, routing, seed):
+    # the default dispatch ("triton": here the lesson kernel with the table's tiles) over
+    # drawn shapes: T from one token, K not a multiple of the step, -1 slots, skewed routing
     k = min(k, E)
     ex = make_experts(E, H, I, fmt, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -190,129 +192,123 @@ def test_triton_all_ids_invalid_and_int64_ids():
     assert out[1:].eq(0).all()
 
 
-def test_prefill_config_and_torch_align_path(monkeypatch):
-    from dsv4lab.kernels import moe as kmoe
-    from dsv4lab.kernels import moe_align
-    monkeypatch.setattr(kmoe, "moe_align", moe_align.moe_align_torch)   # the prefill grouping
-    ex = make_experts(2, 32, 32, "nvfp4", seed=5)
-    torch.manual_seed(5)
-    x = torch.randn(20, 32)
-    ids, w = route(torch.randn(20, 2), None, topk=2)
-    ref = run_moe(x, ex, ids, w, "nvfp4", 10.0, "torch")
-    g = torch.ones(2)
-    out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                         fmt="nvfp4", w13_global=ex["kw"]["w13_global"] * g,
-                         w2_global=ex["kw"]["w2_global"] * g, swiglu_limit=10.0,
-                         config=dict(BM=64, BN1=32, BN2=32))
+def _mixed_scales_case(fmt, tiles, H, I, T=3):
+    """The lesson kernel with ``tiles`` on rows whose block scales span 2**-20 .. 1 (MXFP4
+    folds 2**(s - smax) into fp16 weights per K-step or row): against the reference."""
+    E, k = 2, 2
+    g = torch.Generator().manual_seed(7)
+
+    def draw(*shape):
+        n, K = shape
+        return (torch.randn(n, K // 32, 32, generator=g)
+                * torch.exp2(-torch.randint(0, 21, (n, K // 32, 1), generator=g).float())).flatten(-2)
+    ex = make_experts(E, H, I, fmt, gen=draw)
+    x = torch.randn(T, H, generator=g)
+    ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
+    ids[-1, -1] = -1
+    ref = run_moe(x, ex, ids, w, fmt, None, "torch")
+    out = triton_moe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                               fmt=fmt, swiglu_limit=None, tiles=tiles, **per_expert_globals(ex))
     assert_close(out, ref, torch.float32)
 
 
-VARIANTS = [dict(BM=1, USE_DOT=False), dict(BM=2, USE_DOT=False, SPLIT2=2, BK2=32),
-            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT2=2),
-            # swap AB: weights on the dot's M side (acc [BN, BM], transposed once at the end)
-            dict(BM=16, BN1=16, BN2=32, BK1=64, BK2=32, SWAP_AB=True),
-            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT2=2, SWAP_AB=True),
-            # XPRE (pre-split fp16 x and act) and SPLIT1 (split-K of gate/up + SwiGLU pass),
-            # alone and together with the other switches (FASTDEC: the byte decode here)
-            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, XPRE=True),
-            dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2),
-            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT1=2, XPRE=True, SWAP_AB=True,
-                 FASTDEC=True),
-            dict(BM=1, USE_DOT=False, BK1=32, BK2=32, SPLIT1=2, XPRE=True),
-            # ROWMAX (MXFP4: one scale split per row and slice; scales here span 2**-20)
-            dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
-                 ROWMAX=True),
-            dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, ROWMAX=True, SWAP_AB=True),
-            dict(BM=2, USE_DOT=False, BK1=32, BK2=32, ROWMAX=True),
-            # MAXNREG (a register cap: a compile option, ignored by the interpreter) + the
-            # promoted decode switches
-            dict(BM=16, BN1=16, BN2=16, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
-                 FASTDEC=True, MAXNREG=128),
-            # FOLD: combine in the down kernel, SwiGLU sum in the gate/up kernel, one prologue
-            dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, SPLIT1=2, SPLIT2=2, XPRE=True,
-                 FASTDEC=True, FOLD=True),
-            dict(BM=1, USE_DOT=False, BK1=32, BK2=32, SPLIT1=2, FOLD=True)]
+_TABLE_TILES = sorted({t for _, row in dispatch.TRITON_TILES for t in row.values()}, key=repr)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_triton_variants_mixed_scales(fmt, cfg):
-    # the tuning variants (CUDA-core tiny-M path, split-K, tile sizes) on rows whose block
-    # scales span 2**-20..1: MXFP4 folds 2**(s - smax) into fp16 weights per K-step
-    _mixed_scales_case(fmt, cfg, 64, 64)
+@pytest.mark.parametrize("tiles", _TABLE_TILES, ids=lambda t: f"BM{t.BM}-BN{t.BN1}.{t.BN2}-BK{t.BK1}.{t.BK2}"
+                         f"-S{t.SPLIT1}.{t.SPLIT2}{'-RM' if t.ROWMAX else ''}{'-X' if t.XPRE else ''}")
+def test_every_table_entry_mixed_scales(fmt, tiles):
+    # every entry of the dispatch's tile table (split-K, ROWMAX, the split x copy, the prefill
+    # tiles with strided x) at shapes where each of its K steps and splits is taken
+    _mixed_scales_case(fmt, tiles, 512, 256)
 
 
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_rowmax_chunked_row_max(monkeypatch, chunk):
-    # ROWMAX reads a row's scale bytes in chunks of ROW_CHUNK (one chunk at Flash's sizes): force
-    # several chunks (and a last partial one: 64 / 16 = 4 scale bytes a row in 1- or 2-byte
-    # chunks, and 3 with the split-K slices) so the chunked max is checked against the reference
-    from dsv4lab.kernels import moe as kmoe
-    monkeypatch.setattr(kmoe, "ROW_CHUNK", chunk)
-    _mixed_scales_case("mxfp4", dict(BM=16, BN1=16, BN2=32, BK1=32, BK2=32, ROWMAX=True), 128, 64)
-    _mixed_scales_case("mxfp4", dict(BM=1, USE_DOT=False, BK1=32, BK2=32, SPLIT1=2, ROWMAX=True,
-                                     XPRE=True), 192, 64)
+    # ROWMAX reads a row's scale bytes ROW_CHUNK at a time (one chunk at Flash's sizes): force
+    # several, and a partial last one, against the reference
+    monkeypatch.setattr(triton_moe, "ROW_CHUNK", chunk)
+    _mixed_scales_case("mxfp4", Tiles(BN1=16, BN2=32, BK1=32, BK2=32, ROWMAX=True), 96, 64)
+    _mixed_scales_case("mxfp4", Tiles(BN1=16, BN2=16, BK1=32, BK2=32, SPLIT1=2, ROWMAX=True,
+                                      XPRE=False), 192, 64)
 
 
-# W16 (kernels/moe.py): int16 weight words, int32 scale words, x and act in four planes; a
-# K-step must hold 4 scale bytes a row (MXFP4 BK >= 128, NVFP4 BK >= 64), hence H 256, I 128
-W16_VARIANTS = [dict(BM=16, BN1=32, BN2=16, BK1=128, BK2=128, XPRE=True, W16=True),
-                dict(BM=16, BN1=16, BN2=32, BK1=128, BK2=128, XPRE=True, W16=True, ROWMAX=True,
-                     SPLIT1=2, SPLIT2=2, FASTDEC=True),
-                dict(BM=16, BN1=32, BN2=32, BK1=256, BK2=128, XPRE=True, W16=True, SPLIT1=2)]
+def test_prefill_torch_grouping(monkeypatch):
+    # the prefill grouping (torch ops) behind the lesson kernel, prefill tiles
+    from dsv4lab.kernels.moe import align
+    monkeypatch.setattr(triton_moe, "moe_align", align.moe_align_torch)
+    ex = make_experts(2, 64, 32, "nvfp4", seed=5)
+    torch.manual_seed(5)
+    x = torch.randn(20, 64)
+    ids, w = route(torch.randn(20, 2), None, topk=2)
+    ref = run_moe(x, ex, ids, w, "nvfp4", 10.0, "torch")
+    out = triton_moe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
+                               fmt="nvfp4", swiglu_limit=10.0, tiles=dispatch.TRITON_TILES[-1][1]["nvfp4"],
+                               **per_expert_globals(ex))
+    assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("cfg", W16_VARIANTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_triton_w16_mixed_scales(fmt, cfg):
-    _mixed_scales_case(fmt, cfg, 256, 128)
+def test_bad_tiles_refused_naming_the_field():
+    ex = make_experts(2, 32, 32, "mxfp4")
+    args = (torch.randn(2, 32), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
+            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
+    for bad, field in ((dict(BM=8), "BM"), (dict(BN2=48), "BN2"), (dict(BK1=8), "BK1"),
+                       (dict(SPLIT2=0), "SPLIT2"), (dict(num_warps=0), "num_warps")):
+        with pytest.raises(ValueError, match=f"tiles: {field} must be"):
+            triton_moe.fused_moe(*args, tiles=Tiles(**bad))
 
 
-# DECODE32: int32 words of 4 packed bytes, K permuted alike for x and w, four K = BK/8 dot
-# slices a step (tensor cores need BK >= 128, hence the larger H and I)
-# (DECODE32 was timed slower than the default on the H200: two CPU cases keep its code
-# honest without slowing the suite; the GPU cases stay in test_gpu_swap_ab_variant.)
-VARIANTS32 = [dict(BM=16, BN1=32, BN2=16, BK1=256, BK2=128, DECODE32=True, SWAP_AB=True),
-              dict(BM=16, BN1=16, BN2=32, BK1=128, BK2=64, SPLIT2=2, DECODE32=True)]
+@pytest.mark.parametrize("H", [64, 96, 2176])
+def test_x_split_kernel_layout(H):
+    # the split copy of x: fp16 x * 2**-8, even columns then odd ones, bit for bit the torch
+    # expression (H = 96: a part-row in a 64-wide block; 2176: two blocks, the second partial)
+    import triton
+    for dt in (torch.float32, torch.bfloat16):
+        x = (torch.randn(3, H, generator=torch.Generator().manual_seed(H)) * 100).to(dt)
+        x[0, :4] = torch.tensor([1e-7, -3e5, 0.0, 6e4 * 256])   # subnormal, large, 0, near max
+        want = (x.float() * triton_moe.X_PRESCALE).to(torch.float16).view(3, H // 2, 2).transpose(1, 2)
+        got = torch.full((3, H), float("nan"), dtype=torch.float16)
+        BX = min(1024, triton.next_power_of_2(H // 2))
+        triton_moe.x_split_kernel[(3, triton.cdiv(H // 2, BX))](x, got, H // 2, x.stride(0),
+                                                                got.stride(0), BH=BX)
+        assert torch.equal(got.view(torch.int16), want.reshape(3, H).view(torch.int16))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("cfg", VARIANTS32, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_triton_decode32_mixed_scales(fmt, cfg):
-    _mixed_scales_case(fmt, cfg, 256, 128)
+@pytest.mark.parametrize("H", [128, 384])
+def test_x_seg_kernel_layout(H):
+    # the mma fast path's copy of x: per 128 columns, the 64 even ones then the 64 odd ones
+    from dsv4lab.kernels.moe import mma_sm90
+    x = torch.randn(3, H)
+    xk = torch.empty(3, H, dtype=torch.float16)
+    mma_sm90.x_seg_kernel[(3, 1)](x, xk, H // 2, x.stride(0), xk.stride(0), BH=256)
+    want = (x * 2.0 ** -8).view(3, H // 128, 64, 2).transpose(2, 3).reshape(3, H).to(torch.float16)
+    assert torch.equal(xk, want)
 
 
-# FASTDEC: the decode + block scale as packed 32-bit PTX (kernels/moe.py FASTDEC_ASM). The
-# interpreter cannot run inline asm, so here the very asm string the GPU compiles is executed
-# by a small numpy model of its five opcodes (PTX ISA semantics, on uint32 words):
+# -------------------------------------------------- the decodes' PTX, emulated ----------
+# The interpreter cannot run inline asm, so the very asm strings the GPU compiles are executed
+# by a small numpy model of their opcodes (PTX ISA semantics, on uint32 words):
 #   and/shl/shr.b32   bitwise and, logical shifts (shift counts < 32)
 #   prmt.b32 d,a,b,c  default mode: d's byte k = byte (c >> 4k) & 7 of the 8 bytes {b:a}
 #                     (a = bytes 0-3, b = 4-7); if (c >> 4k) & 8, that byte's msb replicated
 #   lop3.b32 d,a,b,c,L  d = the truth table L at index (a<<2 | b<<1 | c), bit by bit
-#                     (so a = 0xF0, b = 0xCC, c = 0xAA evaluate to L's own formula)
-#   mul.rn.f16x2      two IEEE fp16 products, round to nearest even (numpy float16 rounds
-#                     the exact fp32 product once: the same result)
-# and its output is compared bit for bit with the reference decode over all 256 byte values
-# times every multiplier the kernel can produce (MXFP4: 0 and 2**-14..2**15; NVFP4: every
-# finite E4M3 scale), i.e. exactly what _e2m1_lo(p) * mexp / _e2m1_hi(p) * mexp compute.
+#   cvt.rn.f16x2.e5m2x2  two e5m2 bytes to fp16 (exact)
+#   mul.rn.f16x2      two IEEE fp16 products, round to nearest even
+# and the output is compared bit for bit with the reference decode over all 256 byte values
+# times every multiplier the kernels can produce.
 def _ptx_run(asm, inputs):
-    """Run the decode asm's straight-line PTX (FASTDEC_ASM, moe_mma2.CVT8_ASM) on numpy uint32
-    arrays; inputs maps $n -> array."""
-    import re
+    """Run straight-line PTX on numpy uint32 arrays; inputs maps $n -> array."""
     import numpy as np
     regs = {f"${k}": np.asarray(v, dtype=np.uint32) for k, v in inputs.items()}
 
     def val(tok):
         tok = tok.strip()
-        if tok in regs:
-            return regs[tok]
-        return np.uint32(int(tok, 0))
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
 
     def f16(x):
         x = np.asarray(x, dtype=np.uint32)
-        lo = (x & 0xFFFF).astype(np.uint16).view(np.float16)
-        hi = (x >> 16).astype(np.uint16).view(np.float16)
-        return lo, hi
+        return (x & 0xFFFF).astype(np.uint16).view(np.float16), (x >> 16).astype(np.uint16).view(np.float16)
 
     def e5m2_to_f16_bits(b):
         b = torch.from_numpy(np.asarray(b, dtype=np.uint8).copy())
@@ -355,7 +351,7 @@ def _ptx_run(asm, inputs):
             for idx in range(8):
                 if lut >> idx & 1:
                     r |= ((a if idx & 4 else ~a) & (b if idx & 2 else ~b) & (c if idx & 1 else ~c))
-        elif op == "cvt.rn.f16x2.e5m2x2":    # two e5m2 bytes (low one -> low half), exact
+        elif op == "cvt.rn.f16x2.e5m2x2":
             a = np.asarray(src[0], dtype=np.uint32)
             r = (e5m2_to_f16_bits(a & 0xFF).astype(np.uint32)
                  | (e5m2_to_f16_bits(a >> 8).astype(np.uint32) << 16))
@@ -369,29 +365,27 @@ def _ptx_run(asm, inputs):
     return regs
 
 
-def _fastdec_emulated(packed, mult, asm=None):
+def _decode_emulated(packed, mult, asm):
     """packed uint8 [N] (N % 4 == 0), fp16 multipliers [N] -> (lo, hi) fp16 bits [N] as the
-    inline asm (FASTDEC's unless given) computes them, 4 bytes a call ($4: bytes, $5/$6:
-    multipliers of 0-1 / 2-3)."""
+    asm computes them, 4 bytes a call ($4: bytes, $5/$6: multipliers of bytes 0-1 / 2-3)."""
     import numpy as np
-    from dsv4lab.kernels import moe as kmoe
     words = packed.numpy().astype(np.uint8).view("<u4")
     m = mult.numpy().astype(np.float16).view(np.uint16).astype(np.uint32).reshape(-1, 4)
-    regs = _ptx_run(asm or kmoe.FASTDEC_ASM, {4: words, 5: m[:, 0] | m[:, 1] << 16, 6: m[:, 2] | m[:, 3] << 16})
+    regs = _ptx_run(asm, {4: words, 5: m[:, 0] | m[:, 1] << 16, 6: m[:, 2] | m[:, 3] << 16})
     out = []
     for pair in ((0, 1), (2, 3)):                      # lo: $0 $1, hi: $2 $3
-        w = np.stack([regs[f"${pair[0]}"], regs[f"${pair[1]}"]], axis=1)   # [N/4, 2] words
-        halves = np.stack([w & 0xFFFF, w >> 16], axis=2).reshape(-1)        # bytes 0,1,2,3
+        w = np.stack([regs[f"${pair[0]}"], regs[f"${pair[1]}"]], axis=1)
+        halves = np.stack([w & 0xFFFF, w >> 16], axis=2).reshape(-1)
         out.append(torch.from_numpy(halves.astype(np.uint16).view(np.int16)))
     return out
 
 
-@pytest.mark.parametrize("asm", ["FASTDEC", "CVT8", "CVT8_RAW"])
+@pytest.mark.parametrize("asm", ["FASTDEC", "CVT8"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_fastdec_ptx_bits_equal_reference_decode(fmt, asm):
-    # FASTDEC (kernels/moe.py, every GPU) and CVT8 (kernels/moe_mma2.py, sm_89+: the e5m2
-    # conversion places the bits) must decode identically; CVT8_RAW (ACC_SCALE's decode) is
-    # CVT8 without the multipliers: value * 2**-14 exactly
+def test_decode_ptx_bits_equal_reference_decode(fmt, asm):
+    # the lesson kernel's FASTDEC (every GPU) and the mma fast path's CVT8 (the e5m2 conversion
+    # places the bits) must decode identically to the Triton expressions
+    from dsv4lab.kernels.moe import mma_sm90
     if fmt == "mxfp4":        # 2**(e) for e = -14..15 as the kernel builds it, and the flush 0
         mults = torch.tensor([0.0] + [2.0 ** e for e in range(-14, 16)])
     else:                     # every finite E4M3 block scale (NaN bytes 0x7F, 0xFF excluded)
@@ -399,8 +393,6 @@ def test_fastdec_ptx_bits_equal_reference_decode(fmt, asm):
         mults = b.view(torch.float8_e4m3fn).float()
     mults = mults.to(torch.float16)
     byte = torch.arange(256, dtype=torch.uint8)
-    # every byte with every multiplier, shuffled so that the 4 bytes of a word (one asm call)
-    # carry different bytes and multipliers
     perm = torch.randperm(256 * mults.numel(), generator=torch.Generator().manual_seed(0))
     packed = byte.repeat(mults.numel())[perm]
     mult = mults.repeat_interleave(256)[perm]
@@ -410,48 +402,11 @@ def test_fastdec_ptx_bits_equal_reference_decode(fmt, asm):
     w16 = (v * 2.0 ** -14).to(torch.float16).repeat(mults.numel(), 1)[perm]
     want_lo = (w16[:, 0] * mult).view(torch.int16)
     want_hi = (w16[:, 1] * mult).view(torch.int16)
-    if asm == "CVT8_RAW":
-        from dsv4lab.kernels import moe_mma2
-        got_lo, got_hi = _fastdec_emulated(packed, mult, moe_mma2.CVT8_RAW_ASM)
-        want_lo, want_hi = w16[:, 0].view(torch.int16), w16[:, 1].view(torch.int16)
-    elif asm == "CVT8":
-        from dsv4lab.kernels import moe_mma2
-        got_lo, got_hi = _fastdec_emulated(packed, mult, moe_mma2.CVT8_ASM)
-    else:
-        got_lo, got_hi = _fastdec_emulated(packed, mult)
+    got_lo, got_hi = _decode_emulated(packed, mult, triton_moe.FASTDEC_ASM if asm == "FASTDEC"
+                                      else mma_sm90.CVT8_ASM)
     assert torch.equal(got_lo, want_lo), f"lo nibbles: {(got_lo != want_lo).sum()} mismatches"
     assert torch.equal(got_hi, want_hi), f"hi nibbles: {(got_hi != want_hi).sum()} mismatches"
     assert (want_lo == torch.tensor(-32768, dtype=torch.int16)).any()   # -0 kept (code 8)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_w16_ptx_bits_equal_reference_decode(fmt):
-    # W16_ASM (kernels/moe.py): int16 words of 4 nibbles (elements 4q .. 4q+3), two words a
-    # call ($4) with one fp16 multiplier each ($5) -> output r = nibble r of both words, scaled;
-    # run by the same numpy model of the opcodes, against the reference decode, bit for bit,
-    # over every 16-bit word with multipliers the kernel can build
-    import numpy as np
-    from dsv4lab.kernels import moe as kmoe
-    if fmt == "mxfp4":
-        mults = torch.tensor([0.0] + [2.0 ** e for e in range(-14, 16)])
-    else:
-        b = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
-        mults = b.view(torch.float8_e4m3fn).float()
-    mults = mults.to(torch.float16)
-    g = torch.Generator().manual_seed(1)
-    words = torch.arange(65536, dtype=torch.int32)
-    mult = mults[torch.randint(0, mults.numel(), (65536,), generator=g)]
-    # the reference: nibble r of word q is packed byte 2q + r // 2's low (r even) or high nibble
-    v = mxfp4_dequantize(words.to(torch.int16).view(torch.uint8).view(1, -1),
-                         torch.full((1, 65536 * 4 // 32), 127, dtype=torch.uint8)).view(65536, 4)
-    want = ((v * 2.0 ** -14).to(torch.float16) * mult[:, None]).view(torch.int16)
-    w32 = words.numpy().astype(np.uint32).reshape(-1, 2)            # two words a call
-    m = mult.numpy().view(np.uint16).astype(np.uint32).reshape(-1, 2)
-    regs = _ptx_run(kmoe.W16_ASM, {4: w32[:, 0] | w32[:, 1] << 16, 5: m[:, 0] | m[:, 1] << 16})
-    for r in range(4):
-        out = regs[f"${r}"]
-        got = np.stack([out & 0xFFFF, out >> 16], axis=1).reshape(-1).astype(np.uint16).view(np.int16)
-        assert torch.equal(torch.from_numpy(got), want[:, r]), f"nibble {r}: mismatches"
 
 
 def test_ptx_model_opcodes():
@@ -469,130 +424,98 @@ def test_ptx_model_opcodes():
     assert int(m["$0"][0]) == 0x0001_3C00                # (2 * 0.5, 1 * 2**-24): low half first
 
 
-def test_fastdec_config_checks_and_interpreter_fallback():
-    # FASTDEC runs the reference decode under the interpreter (inline asm cannot) and is an
-    # alternative to DECODE32, not a companion
-    from dsv4lab.kernels import moe as kmoe
-    assert "FASTDEC" in kmoe.CONFIG_KEYS
-    ex = make_experts(2, 32, 32, "mxfp4")
-    args = (torch.randn(2, 32), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
-    with pytest.raises(ValueError, match="FASTDEC and DECODE32"):
-        kmoe.fused_moe(*args, config=dict(FASTDEC=True, DECODE32=True))
-    if kmoe.interpreting():
-        ref = run_moe(args[0], ex, args[5], args[6], "mxfp4", None, "torch")
-        out = kmoe.fused_moe(*args, config=dict(kmoe.PLAIN, FASTDEC=True, BN1=16, BN2=16,
-                                                BK1=32, BK2=32))
-        assert_close(out, ref, torch.float32)
+def test_interpreter_runs_the_triton_decode():
+    # FASTDEC is inline asm, which the interpreter cannot run: the same tiles give the
+    # reference's answer through the Triton expressions
+    ex = make_experts(2, 64, 32, "mxfp4")
+    x, ids, w = torch.randn(2, 64), torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1)
+    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
+    ref = run_moe(x, ex, ids, w, "mxfp4", None, "torch")
+    for fast in (True, False):
+        assert_close(triton_moe.fused_moe(*args, tiles=Tiles(BK1=32, BK2=32, FASTDEC=fast)), ref,
+                     torch.float32)
 
 
-def _mixed_scales_case(fmt, cfg, H, I):
-    from dsv4lab.kernels import moe as kmoe
-    E, T, k = 2, 3, 2
-    g = torch.Generator().manual_seed(7)
-    w13 = torch.randn(E, 2 * I, H // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, 2 * I, H // 32, 1), generator=g).float())
-    w2 = torch.randn(E, H, I // 32, 32, generator=g) * torch.exp2(-torch.randint(0, 21, (E, H, I // 32, 1), generator=g).float())
-    w13, w2 = w13.flatten(-2), w2.flatten(-2)
-    ex = quantised_experts(w13, w2, fmt)
-    x = torch.randn(T, H, generator=g)
-    ids, w = route(torch.randn(T, E, generator=g), None, topk=k)
-    ids[1, 1] = -1
-    ref = run_moe(x, ex, ids, w, fmt, None, "torch")
-    kw = per_expert_globals(ex)
-    out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
-                         swiglu_limit=None, config=dict(kmoe.PLAIN, **cfg), **kw)
-    assert_close(out, ref, torch.float32)
-
-
-def test_triton_bad_config():
-    from dsv4lab.kernels import moe as kmoe
-    ex = make_experts(2, 32, 32, "mxfp4")
-    args = (torch.randn(2, 32), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-            torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, 1))
-    plain = kmoe.PLAIN                   # neutral base: no switch the checks below collide with
-    with pytest.raises(ValueError, match="BM >= 16"):
-        kmoe.fused_moe(*args, config=dict(plain, BM=4, USE_DOT=True))
-    with pytest.raises(ValueError, match="unknown keys"):
-        kmoe.fused_moe(*args, config=dict(BLOCK=4))
-    with pytest.raises(ValueError, match="SWAP_AB needs USE_DOT"):
-        kmoe.fused_moe(*args, config=dict(plain, BM=1, USE_DOT=False, SWAP_AB=True))
-    with pytest.raises(ValueError, match="XPRE .* and DECODE32"):
-        kmoe.fused_moe(*args, config=dict(plain, XPRE=True, DECODE32=True))
-    with pytest.raises(ValueError, match="ROWMAX applies to the byte decode"):
-        kmoe.fused_moe(*args, config=dict(plain, ROWMAX=True, DECODE32=True))
-    with pytest.raises(ValueError, match="MAXNREG must be"):
-        kmoe.fused_moe(*args, config=dict(plain, MAXNREG=7))
-    with pytest.raises(ValueError, match="MAXNREG must be"):
-        kmoe.fused_moe(*args, config=dict(plain, MAXNREG=128.0))
-    # the promoted decode default has FASTDEC on: DECODE32 on top of it is refused
-    with pytest.raises(ValueError, match="FASTDEC and DECODE32"):
-        kmoe.fused_moe(*args, config=dict(DECODE32=True))
-    # W16: tensor cores and the pre-split x, no swap/DECODE32/FOLD; a K-step of 4 scale words
-    with pytest.raises(ValueError, match="W16 needs USE_DOT and XPRE"):
-        kmoe.fused_moe(*args, config=dict(plain, W16=True))
-    with pytest.raises(ValueError, match="W16 needs USE_DOT and XPRE"):
-        kmoe.fused_moe(*args, config=dict(plain, W16=True, XPRE=True, FOLD=True))
-    with pytest.raises(ValueError, match="W16 reads a K-step's scale bytes"):
-        kmoe.fused_moe(*args, config=dict(plain, W16=True, XPRE=True, BK1=32, BK2=32))
-
-
-@pytest.mark.parametrize("planes", [2, 4])
-@pytest.mark.parametrize("H", [64, 96, 2176])
-def test_xpre_kernel_layout(H, planes):
-    # XPRE's one-launch copy of x: fp16 x * 2**-8, column c in plane c % planes (2: even columns
-    # then odd ones; 4: W16's K phases), bit for bit the torch expression (H = 96: a part-row in
-    # a 64-wide block; 2176: two blocks, the second partial)
-    import triton
-    from dsv4lab.kernels import moe as kmoe
-    for dt in (torch.float32, torch.bfloat16):
-        x = (torch.randn(3, H, generator=torch.Generator().manual_seed(H)) * 100).to(dt)
-        x[0, :4] = torch.tensor([1e-7, -3e5, 0.0, 6e4 * 256])   # subnormal, large, 0, near max
-        want = (x.float() * kmoe.X_PRESCALE).to(torch.float16).view(3, H // planes, planes).transpose(1, 2)
-        got = torch.full((3, H), float("nan"), dtype=torch.float16)
-        BX = min(1024, triton.next_power_of_2(H // planes))
-        kmoe._moe_xpre_kernel[(3, triton.cdiv(H // planes, BX))](x, got, H // planes, x.stride(0),
-                                                                got.stride(0), BH=BX, PLANES=planes)
-        assert torch.equal(got.view(torch.int16), want.reshape(3, H).view(torch.int16))
-
-
-def test_config_table_per_format():
-    # every row of the tuning table has a valid config for both formats; config_for picks
-    # by rows per expert (T=1 / T=64 / T=256 / prefill at Flash's E=256, k=6)
-    from dsv4lab.kernels import moe as kmoe
-    bounds = [b for b, _ in kmoe.CONFIGS]
+# -------------------------------------------------------------- the dispatch ------------
+def test_tile_table_per_format():
+    bounds = [b for b, _ in dispatch.TRITON_TILES]
     assert bounds == sorted(bounds) and bounds[-1] == float("inf")
-    assert set(kmoe.PLAIN) == set(kmoe.CONFIG_KEYS)       # the neutral base names every key
-    for bound, row in kmoe.CONFIGS:
+    for bound, row in dispatch.TRITON_TILES:
         assert set(row) == {"mxfp4", "nvfp4"}
-        for cfg in row.values():
-            assert set(cfg) <= set(kmoe.CONFIG_KEYS) and not cfg.get("SWAP_AB", False)
-            assert not cfg.get("DECODE32", False)          # timed slower: a variant only
-            # ROWMAX: promoted for MXFP4 at ~1.5 rows per expert only (timed there on the H200)
-            assert not cfg.get("ROWMAX", False) or (bound == 2.0 and cfg is row["mxfp4"])
-            assert cfg["BM"] >= 16 or not cfg["USE_DOT"]
-            # decode rows (<= 16 rows per expert): FASTDEC + XPRE promoted (timed on the
-            # H200); the prefill row keeps the plain byte decode
-            decode = bound <= 16
-            assert cfg.get("FASTDEC", False) == decode and cfg.get("XPRE", False) == decode
-            if not decode:
-                assert cfg.get("SPLIT1", 1) == 1
-    for fmt in ("mxfp4", "nvfp4"):      # T=1 / T=8: BK 128 with split-K 2 of both GEMMs
-        cfg = kmoe.config_for(1, 6, 256, fmt)
-        assert (cfg["BK1"], cfg["BK2"], cfg["SPLIT1"], cfg["SPLIT2"]) == (128, 128, 2, 2)
-    for T in (1, 64, 256, 4096):
-        r = kmoe.rows_per_expert(T, 6, 256)
-        for fmt in ("mxfp4", "nvfp4"):
-            want = next(c[fmt] for b, c in kmoe.CONFIGS if r <= b)
-            got = kmoe.config_for(T, 6, 256, fmt)
-            assert {k: v for k, v in got.items() if k != "num_stages"} == \
-                {k: v for k, v in want.items() if k != "num_stages"}
+        for fmt, tiles in row.items():
+            tiles.check()
+            decode = bound <= 16            # decode rows: the inline-PTX decode and the split x
+            assert tiles.FASTDEC == decode and tiles.XPRE == decode
+            assert not tiles.ROWMAX or (bound == 2.0 and fmt == "mxfp4")
+    for fmt in ("mxfp4", "nvfp4"):          # one token: BK 128 with split-K 2 of both GEMMs
+        t = dispatch.tiles_for(1, 6, 256, fmt, DeviceProps.nominal((8, 9)))
+        assert (t.BK1, t.BK2, t.SPLIT1, t.SPLIT2) == (128, 128, 2, 2)
+        for T, row in ((1, 0), (64, 1), (256, 2), (4096, 3)):
+            assert dispatch.tiles_for(T, 6, 256, fmt, DeviceProps.cpu()) == dispatch.TRITON_TILES[row][1][fmt]
+
+
+def test_tiles_fit_the_device_shared_memory():
+    # every entry fits each target GPU as it is; a device with less shared memory a block
+    # gets fewer pipeline stages, never a launch that cannot fit
+    for cap in CAPABILITIES:
+        p = DeviceProps.nominal(cap)
+        for T in (1, 64, 256, 4096):
+            for fmt in ("mxfp4", "nvfp4"):
+                t = dispatch.tiles_for(T, 6, 256, fmt, p)
+                assert t.num_stages == 3 and dispatch.smem_bound(t, fmt, p) <= p.smem_per_block
+    small = dataclasses.replace(DeviceProps.nominal((8, 9)), smem_per_block=48 * 1024)
+    t = dispatch.tiles_for(4096, 6, 256, "mxfp4", small)
+    assert t.num_stages < 3 and dispatch.smem_bound(t, "mxfp4", small) <= small.smem_per_block
+
+
+def _route(cap, T, H=4096, I=2048, E=256, k=6, gluon=True, aligned=True):
+    p = DeviceProps.cpu() if cap is None else DeviceProps.nominal(cap)
+    return choose(dispatch.TABLES["fused_moe"], p, T=T, H=H, I=I, gluon=gluon, aligned=aligned,
+                  rows=dispatch.rows_per_expert(T, k, E)).kernel
+
+
+def test_dispatch_table_gates_the_fast_paths_on_the_h200():
+    table = dispatch.TABLES["fused_moe"]
+    assert table[-1].capabilities is None and table[-1].kernel == "triton_moe"
+    for r in table[:-1]:
+        assert r.capabilities == frozenset({(9, 0)}), r.kernel   # compiled AND run there only
+    # the H200: the GEMV decode at one token of Flash's sizes, mma.sync at 1-2 rows an expert
+    assert _route((9, 0), 1) == "gemv_sm90" and _route((9, 0), 64) == "mma_sm90"
+    assert _route((9, 0), 8, E=32) == "mma_sm90"                # 48 pairs on 32 experts
+    for T in (2, 8, 16, 32, 256, 1024):
+        assert _route((9, 0), T) == "triton_moe"
+    assert _route((9, 0), 1, H=4096, I=1536) == "triton_moe"    # not multiples of 2048
+    assert _route((9, 0), 64, H=4096, I=384) == "triton_moe"    # not multiples of 512
+    assert _route((9, 0), 1, aligned=False) == "triton_moe"     # an offset view of the weights
+    assert _route((9, 0), 1, gluon=False) == "triton_moe"       # another Triton's Gluon
+    for cap in [c for c in CAPABILITIES if c != (9, 0)] + [None]:
+        for T in (1, 64, 256):
+            assert _route(cap, T) == "triton_moe"
+
+
+def test_offline_cases_list_each_route_where_it_runs():
+    # what tests/test_portability.py compiles: the Gluon kernels for sm_90 only, the lesson
+    # kernel's gate/up and down for every row of the table everywhere (no compile here)
+    for cap in CAPABILITIES:
+        names = [c.name for c in dispatch.offline_cases(DeviceProps.nominal(cap))]
+        routes = {n.split(":")[0] for n in names}
+        assert routes == ({"gemv_sm90", "mma_sm90", "triton_moe"} if cap == (9, 0) else {"triton_moe"})
+        assert any(n.startswith("triton_moe:gate_up_kernel:nvfp4:H4096:T4096") for n in names)
+        assert len(names) == len(set(names))
+
+
+def test_empty_batch():
+    ex = make_experts(2, 32, 32, "mxfp4")
+    out = run_moe(torch.randn(0, 32), ex, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2),
+                  "mxfp4", None, "triton")
+    assert out.shape == (0, 32)
 
 
 @settings(max_examples=10, deadline=None)
-@given(P=st.integers(1, 200), E=st.integers(1, 40), BM=st.sampled_from([16, 64]),
+@given(P=st.integers(1, 200), E=st.integers(1, 40), BM=st.sampled_from([8, 16, 64]),
        hole=st.floats(0, 0.5), seed=st.integers(0, 100))
 def test_align_kernel_equals_torch_align(P, E, BM, hole, seed):
-    from dsv4lab.kernels.moe_align import moe_align_torch, moe_align_triton, num_blocks_max
+    from dsv4lab.kernels.moe.align import moe_align_torch, moe_align_triton, num_blocks_max
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, E, (P,), generator=g, dtype=torch.int32)
     ids[torch.rand(P, generator=g) < hole] = -1
@@ -602,8 +525,7 @@ def test_align_kernel_equals_torch_align(P, E, BM, hole, seed):
     used = b[1] >= 0
     assert torch.equal(a[1], b[1])
     assert torch.equal(a[2][used], b[2][used]) and torch.equal(a[3][used], b[3][used])
-    # every valid pair is in exactly one block of its expert
-    seen = torch.zeros(P, dtype=torch.int32)
+    seen = torch.zeros(P, dtype=torch.int32)            # every valid pair in one block of its expert
     for blk in torch.nonzero(used).flatten().tolist():
         s, c, e = int(b[2][blk]), int(b[3][blk]), int(b[1][blk])
         assert 1 <= c <= BM
@@ -614,231 +536,201 @@ def test_align_kernel_equals_torch_align(P, E, BM, hole, seed):
     assert b[1].numel() == num_blocks_max(P, E, BM)
 
 
+# ------------------------------------------------------------- the op's checks ----------
+def _bad_input_call(ex, **over):
+    x = over.pop("x", torch.randn(3, 64))
+    ids = over.pop("topk_ids", torch.zeros(3, 1, dtype=torch.int32))
+    w = over.pop("topk_weights", torch.ones(3, 1))
+    t = {n: over.pop(n, ex[n]) for n in ("w13", "w13_scale", "w2", "w2_scale")}
+    return fused_moe(x, t["w13"], t["w13_scale"], t["w2"], t["w2_scale"], ids, w, **over)
+
+
 def test_fused_moe_bad_inputs():
     ex = make_experts(2, 64, 32, "mxfp4")
-    x = torch.randn(3, 64)
-    ids = torch.zeros(3, 1, dtype=torch.int32)
-    w = torch.ones(3, 1)
-    base = dict(x=x, w13=ex["w13"], w13_scale=ex["w13_scale"], w2=ex["w2"], w2_scale=ex["w2_scale"],
-                topk_ids=ids, topk_weights=w)
+    cases = [(dict(x=torch.randn(64)), "x must be"), (dict(x=torch.randn(3, 48)), "multiple of 32"),
+             (dict(x=torch.randn(3, 32)), "w13 must be"), (dict(w13=ex["w13"].float()), "w13 must be a packed"),
+             (dict(w2=ex["w2"][:, :32]), "w2 must be"), (dict(w13_scale=ex["w13_scale"][..., :1]), "w13_scale must be"),
+             (dict(fmt="nvfp4", w13_global=1.0, w2_global=1.0), "float8_e4m3fn"),
+             (dict(w13_global=1.0), "must be None for fmt='mxfp4'"),
+             (dict(topk_ids=torch.full((3, 1), 2, dtype=torch.int32)), r"topk_ids must lie in \[-1, E=2\)"),
+             (dict(topk_ids=torch.full((3, 1), -2, dtype=torch.int32)), "topk_ids must lie"),
+             (dict(topk_ids=torch.zeros(3, 1)), "topk_ids must be"), (dict(topk_weights=torch.ones(3, 2)), "topk_weights"),
+             (dict(topk_weights=torch.full((3, 1), float("inf"))), "topk_weights contains NaN or Inf"),
+             (dict(swiglu_limit=-1.0), "swiglu_limit"), (dict(fmt="int4"), "fmt"),
+             (dict(x=torch.full((3, 64), float("nan"))), "x contains NaN or Inf")]
+    for over, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            _bad_input_call(ex, **over)
 
-    def call(**over):
-        a = dict(base)
-        kw = {k: over.pop(k) for k in list(over) if k in ("fmt", "w13_global", "w2_global", "swiglu_limit", "backend")}
-        a.update(over)
-        return fused_moe(a["x"], a["w13"], a["w13_scale"], a["w2"], a["w2_scale"], a["topk_ids"],
-                         a["topk_weights"], **kw)
 
-    with pytest.raises(ValueError, match="x must be"):
-        call(x=torch.randn(64))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        call(x=torch.randn(3, 48))
-    with pytest.raises(ValueError, match="w13 must be"):
-        call(x=torch.randn(3, 32))
-    with pytest.raises(ValueError, match="w13 must be a packed"):
-        call(w13=ex["w13"].float())
-    with pytest.raises(ValueError, match="w2 must be"):
-        call(w2=ex["w2"][:, :32])
-    with pytest.raises(ValueError, match="w13_scale must be"):
-        call(w13_scale=ex["w13_scale"][..., :1])
-    with pytest.raises(ValueError, match="float8_e4m3fn"):
-        call(fmt="nvfp4", w13_global=1.0, w2_global=1.0)
-    with pytest.raises(ValueError, match="must be None for fmt='mxfp4'"):
-        call(w13_global=1.0)
-    with pytest.raises(ValueError, match="topk_ids must lie"):
-        call(topk_ids=torch.full((3, 1), 2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="topk_ids must lie"):
-        call(topk_ids=torch.full((3, 1), -2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="topk_ids must be"):
-        call(topk_ids=ids.float())
-    with pytest.raises(ValueError, match="topk_weights"):
-        call(topk_weights=torch.ones(3, 2))
-    with pytest.raises(ValueError, match="swiglu_limit"):
-        call(swiglu_limit=-1.0)
-    with pytest.raises(ValueError, match="fmt"):
-        call(fmt="int4")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        call(x=torch.full((3, 64), float("nan")))
+def test_trtllm_fp4_refused_by_name_before_any_kernel():
+    ex = make_experts(2, 64, 32, "mxfp4")
     with pytest.raises(backends.BackendUnavailable, match="trtllm_fp4"):
-        call(backend="trtllm_fp4")
+        _bad_input_call(ex, backend="trtllm_fp4")
 
 
-@settings(max_examples=8, deadline=None)
-@given(T=st.integers(1, 6), E=st.integers(2, 6), k=st.integers(1, 3),
-       fmt=st.sampled_from(["mxfp4", "nvfp4"]), routing=st.sampled_from(["random", "skewed", "holes"]),
-       split=st.sampled_from([(1, 1), (2, 2), (1, 2), (2, 1)]), xpre=st.booleans(),
-       torch_align=st.booleans(), seed=st.integers(0, 1000))
-def test_fold_equals_separate_passes(T, E, k, fmt, routing, split, xpre, torch_align, seed):
-    # FOLD sums the split-K SwiGLU partials and the combine in the "last program of a tile"
-    # in the separate passes' order: the output must be the SAME BITS as without FOLD (and
-    # match the fp32 reference, tolerance TOL[fp32]); a token whose k slots are all -1 gets a
-    # zero row (written by the prologue, or torch.zeros on the torch grouping path)
-    from unittest import mock
-    from dsv4lab.kernels import moe as kmoe
-    k = min(k, E)
-    ex = make_experts(E, 64, 64, fmt, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, 64, generator=g)
-    ids, w = draw_routing(T, E, k, routing, g)
-    if routing == "holes":
-        ids[-1, :] = -1
-    cfg = dict(BM=16, BN1=32, BN2=16, BK1=32, BK2=32, SPLIT1=split[0], SPLIT2=split[1], XPRE=xpre)
-
-    def call(fold):
-        return fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w, fmt=fmt,
-                         swiglu_limit=10.0, backend="triton", kernel_config=dict(cfg, FOLD=fold),
-                         **ex["kw"])
-    # torch_align: the prefill grouping path (no fused prologue; zeroed buffers instead)
-    with mock.patch.object(kmoe, "align_kernel_fits", lambda P: not torch_align):
-        out = call(True)
-    assert torch.equal(out, call(False))
-    assert_close(out, run_moe(x, ex, ids, w, fmt, 10.0, "torch"), torch.float32)
-    if routing == "holes":
-        assert out[-1].eq(0).all()
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("fmt,which", [("mxfp4", "w13_scale"), ("mxfp4", "w2_scale"),
+                                       ("nvfp4", "w13_scale"), ("nvfp4", "w2_scale")])
+def test_nan_scale_byte_refused_like_the_reference(fmt, which, backend):
+    # an E8M0 255 (or an E4M3 0x7F / 0xFF) scale is NaN: the reference refuses it, and so does
+    # the op before any kernel, naming the tensor; validate=False leaves it to the caller
+    ex = make_experts(3, 64, 32, fmt, seed=2)
+    bad = ex[which].clone()
+    if fmt == "mxfp4":
+        bad[1, 3, 0] = 255
+        msg = f"{which}: scales contain 255, the E8M0 NaN encoding"
+    else:
+        bad.view(torch.uint8)[1, 3, 0] = 0x7F
+        msg = rf"{which}: scales contain NaN \(E4M3 0x7F/0xFF\)"
+    x = torch.randn(2, 64)
+    ids, w = route(torch.randn(2, 3), None, topk=2)
+    with pytest.raises(ValueError, match=msg):
+        run_moe(x, dict(ex, **{which: bad}), ids, w, fmt, None, backend)
+    if backend == "triton":                  # the caller's promise: no check, no sync
+        out = run_moe(x, dict(ex, **{which: bad}), ids, w, fmt, None, backend, validate=False)
+        assert out.shape == x.shape
 
 
-def test_fold_config_checks():
-    from dsv4lab.kernels import moe as kmoe
-    assert kmoe.PLAIN["FOLD"] is False and all(not c[f].get("FOLD", False)
-                                               for _, c in kmoe.CONFIGS for f in c)
-    ex = make_experts(2, 128, 128, "mxfp4")
-    with pytest.raises(ValueError, match="FOLD"):
-        kmoe.fused_moe(torch.randn(1, 128), ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"],
-                       torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1),
-                       config=dict(kmoe.PLAIN, DECODE32=True, FOLD=True))
+def test_scale_verdict_kept_per_tensor_version(monkeypatch):
+    # a weight tensor's scales are read once: repeated calls pay nothing for them, until the
+    # tensor is written in place (its version moves) or another tensor comes
+    calls = []
+    real = moe_ops._nan_scale_bytes
+    monkeypatch.setattr(moe_ops, "_nan_scale_bytes", lambda s, fmt: calls.append(s) or real(s, fmt))
+    ex = make_experts(3, 64, 32, "mxfp4", seed=4)
+    x = torch.randn(2, 64)
+    ids, w = route(torch.randn(2, 3), None, topk=2)
+    ref = run_moe(x, ex, ids, w, "mxfp4", None, "torch")
+    assert_close(run_moe(x, ex, ids, w, "mxfp4", None, "triton"), ref, torch.float32)
+    assert len(calls) == 2
+    run_moe(x, ex, ids, w, "mxfp4", None, "triton")
+    assert len(calls) == 2                                   # both verdicts kept
+    ex["w2_scale"][0, 0, 0] = 255                            # in place: the version moves
+    with pytest.raises(ValueError, match="w2_scale: scales contain 255"):
+        run_moe(x, ex, ids, w, "mxfp4", None, "triton")
+    assert len(calls) == 3
 
 
-def test_empty_batch():
-    ex = make_experts(2, 32, 32, "mxfp4")
-    out = run_moe(torch.randn(0, 32), ex, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, 2),
-                  "mxfp4", None, "triton")
-    assert out.shape == (0, 32)
+def test_value_checks_one_host_sync_and_none_while_capturing(monkeypatch):
+    ex = make_experts(3, 64, 32, "nvfp4", seed=6)
+    x = torch.randn(4, 64)
+    ids, w = route(torch.randn(4, 3), None, topk=2)
+    reads = []
+    with monkeypatch.context() as m:
+        real = torch.Tensor.tolist
+        m.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+        for n in ("__int__", "__bool__", "item"):
+            m.setattr(torch.Tensor, n, _no_host_read)
+        moe_ops.check_fused_moe_values(x, ex["w13_scale"], ex["w2_scale"], ids, w, fmt="nvfp4")
+    assert len(reads) == 1
+    ref = run_moe(x, ex, ids, w, "nvfp4", 10.0, "triton")
+    for capture, validate in ((True, True), (False, False)):
+        with monkeypatch.context() as m:
+            m.setattr(moe_ops, "_is_capturing", lambda t: capture)
+            m.setattr(moe_ops, "_nan_scale_bytes", _no_host_read)
+            _trap_host_reads(m)
+            got = run_moe(x, ex, ids, w, "nvfp4", 10.0, "triton", validate=validate)
+        assert torch.equal(got, ref)
+
+
+def test_out_of_range_ids_unchecked_count_as_missing():
+    # with validate=False an id outside [0, E) reaches the kernels, which skip it like -1
+    ex = make_experts(3, 64, 32, "mxfp4", seed=8)
+    x = torch.randn(3, 64)
+    ids = torch.tensor([[0, 3], [7, 1], [2, -5]], dtype=torch.int32)
+    w = torch.rand(3, 2)
+    holes = torch.where((ids >= 0) & (ids < 3), ids, torch.full_like(ids, -1))
+    want = run_moe(x, ex, holes, w, "mxfp4", None, "torch")
+    for backend in ("triton", "torch"):
+        assert_close(run_moe(x, ex, ids, w, "mxfp4", None, backend, validate=False), want, torch.float32)
 
 
 # --------------------------------------------------------------------- GPU -----------------
+def _flash_case(fmt, T, E, seed):
+    """Flash's hidden/intermediate sizes with E experts on the GPU: inputs in bf16, routing
+    with one -1 slot, the fp32 reference."""
+    ex = make_experts(E, 4096, 2048, fmt, seed=seed, device="cuda", scale=0.02)
+    torch.manual_seed(seed)
+    x = torch.randn(T, 4096, device="cuda").to(torch.bfloat16)
+    ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.1, topk=6)
+    ids[0, -1] = -1
+    return ex, x, ids, w, run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
+
+
+# (T, experts, the route on the H200): every route of the table and every row of the tiles
+FLASH_CASES = [(1, 32, "gemv_sm90"), (2, 32, "triton_moe"), (3, 32, "triton_moe"),
+               (8, 32, "mma_sm90"), (40, 32, "triton_moe"), (300, 32, "triton_moe")]
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("T", [1, 7, 64, 300])
-def test_gpu_flash_shape(fmt, T):
-    # Flash's hidden/intermediate with 32 experts (the reference quantiser runs in float64)
-    E, H, I, k = 32, 4096, 2048, 6
-    ex = make_experts(E, H, I, fmt, seed=T, device="cuda", scale=0.02)
-    torch.manual_seed(T)
-    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    ids, w = route(torch.randn(T, E, device="cuda"), torch.randn(E, device="cuda") * 0.1, topk=k)
-    ids[0, -1] = -1
-    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
+@pytest.mark.parametrize("T,E,h200_route", FLASH_CASES, ids=[f"T{t}" for t, _, _ in FLASH_CASES])
+def test_gpu_flash_shape_every_route(fmt, T, E, h200_route):
+    ex, x, ids, w, ref = _flash_case(fmt, T, E, seed=T)
+    route_taken = dispatch.route_for(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids).kernel
+    if H200 and dispatch.gluon_ok():
+        assert route_taken == h200_route
     out = run_moe(x, ex, ids, w, fmt, 10.0, "triton")
     assert_close(out, ref, torch.bfloat16)
-
-
-def _flash_variant_case(fmt, T, seed):
-    """Flash's hidden/intermediate with 32 experts on the GPU: inputs, routing (one -1 slot),
-    the fp32 torch reference and per-expert device globals for calling the kernel directly."""
-    E, H, I, k = 32, 4096, 2048, 6
-    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.02)
-    torch.manual_seed(T)
-    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
-    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
-    ids[0, -1] = -1
-    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
-    kw = per_expert_globals(ex, "cuda")
-    return x, ex, ids, w, ref, kw
+    assert torch.equal(run_moe(x, ex, ids, w, fmt, 10.0, "triton"), out)    # fixed sum order
+    assert_close(run_moe(x, ex, ids, w, fmt, None, "triton"),
+                 run_moe(x.float(), ex, ids, w, fmt, None, "torch"), torch.bfloat16)
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("T", [1, 64])
-def test_gpu_swap_ab_variant(fmt, T):
-    # the experimental swap-AB dot (weights on the M side) at Flash's sizes, 32 experts
-    from dsv4lab.kernels import moe as kmoe
-    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=11 + T)
-    for cfg in (dict(BN1=64, BN2=64, SWAP_AB=True),
-                dict(BN1=128, BN2=128, SWAP_AB=True, num_warps=8, SPLIT2=2),
-                # DECODE32 (int32 words of packed bytes), as once timed by `dsv4lab bench moe`
-                dict(BN1=64, BN2=64, DECODE32=True),
-                dict(BN1=64, BN2=64, DECODE32=True, SWAP_AB=True),
-                dict(BN1=64, BN2=64, DECODE32=True, num_warps=2),
-                dict(BN1=32, BN2=64, DECODE32=True, SPLIT2=2)):
-        out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                             fmt=fmt, swiglu_limit=10.0, config=dict(kmoe.PLAIN, **cfg), **kw)
-        assert_close(out, ref, torch.bfloat16)
+@pytest.mark.parametrize("T,E,h200_route", [(1, 32, "gemv_sm90"), (8, 32, "mma_sm90"),
+                                            (4, 32, "triton_moe")], ids=["gemv", "mma", "triton"])
+def test_gpu_cuda_graph_capture_every_route(fmt, T, E, h200_route):
+    # the decode path never asks the host: captured once, replayed on new routing and x
+    from dsv4lab import bench
+    ex, x, ids, w, ref = _flash_case(fmt, T, E, seed=40 + T)
 
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("T", [1, 64])
-def test_gpu_fastdec_variant(fmt, T):
-    # FASTDEC (decode + scale in inline PTX) at Flash's sizes, 32 experts: against the fp32
-    # reference, and against the byte decode with the same tiles (same bits: the dots see the
-    # same fp16 operands, so only accumulation order could differ; bf16 output tolerance)
-    from dsv4lab.kernels import moe as kmoe
-    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=23 + T)
-    for cfg in (dict(BN1=64, BN2=64, FASTDEC=True),                 # as `dsv4lab bench moe`
-                dict(BN1=64, BN2=64, FASTDEC=True, SWAP_AB=True),
-                dict(BN1=32, BN2=64, SPLIT2=2, FASTDEC=True),
-                dict(BN1=16, BN2=16, BK1=32, BK2=32, FASTDEC=True),   # 2 bytes a thread
-                dict(BM=1, USE_DOT=False, BN1=16, BN2=16, BK1=64, BK2=64, FASTDEC=True)):
-        cfg = dict(kmoe.PLAIN, **cfg)
-        out = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                             fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
-        assert_close(out, ref, torch.bfloat16)
-        base = kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                              fmt=fmt, swiglu_limit=10.0, config=dict(cfg, FASTDEC=False), **kw)
-        assert_close(out, base.float(), torch.bfloat16)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("T", [1, 64])
-def test_gpu_bench_variants(fmt, T):
-    # every named variant `dsv4lab bench moe` times (full configs: the plain reference row,
-    # FASTDEC, XPRE, BK 128, SPLIT1/SPLIT2, ROWMAX, ...) at Flash's sizes, 32 experts, against
-    # the fp32 reference; plus XPRE, SPLIT1 and ROWMAX on the byte decode, the promoted
-    # default, and the last variant inside a CUDA graph replayed on new routing
-    from dsv4lab.benchmarks.moe import VARIANTS, experts_for
-    from dsv4lab.kernels import moe as kmoe
-    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=31 + T)
-
-    def run(cfg, ids=ids, w=w):
-        ev = experts_for(ex, cfg, fmt, T)          # the packed weights a TILED variant reads
-        return kmoe.fused_moe(x, ev["w13"], ev["w13_scale"], ev["w2"], ev["w2_scale"], ids, w,
-                              fmt=fmt, swiglu_limit=10.0, config=cfg, **kw)
-
-    P = kmoe.PLAIN
-    extra = [dict(P, XPRE=True), dict(P, SPLIT1=4, SPLIT2=2), dict(P, ROWMAX=True),
-             dict(P, BK1=128, BK2=128, SPLIT1=2, XPRE=True, SWAP_AB=True, ROWMAX=True,
-                  FASTDEC=True),
-             {}]                                  # the promoted default of this T and format
-    for cfg in [c for _, c in VARIANTS] + extra:
-        assert_close(run(cfg), ref, torch.bfloat16)
-    # the last variant and the FOLD ones (their counters are zeroed inside the graph) captured
-    # once and replayed on new routing, twice (a stale counter would show on the second)
-    folds = [dict(c) for n, c in VARIANTS if c.get("FOLD")]
-    for cfg in [dict(VARIANTS[-1][1])] + folds:
-        run(cfg)
+    def run():
+        return run_moe(x, ex, ids, w, fmt, 10.0, "triton")
+    assert_close(run(), ref, torch.bfloat16)
+    graph, out = bench.capture_graph(run)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        new_ids, new_w = route(torch.randn(T, E, device="cuda"), None, topk=6)
+        new_ids[-1, 0] = -1
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn_like(x.float()).to(x.dtype))
+        graph.replay()
         torch.cuda.synchronize()
-        ids2, w2 = ids.clone(), w.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run(cfg, ids2, w2)
-        for rep in range(2):
-            new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
-            new_ids[-1, 0] = -1
-            if rep:
-                new_ids[0, :] = -1                # a token with no valid pair: a zero row
-            ids2.copy_(new_ids)
-            w2.copy_(new_w)
-            graph.replay()
-            torch.cuda.synchronize()
-            ref2 = run_moe(x.float(), ex, ids2, w2, fmt, 10.0, "torch")
-            assert_close(out, ref2, torch.bfloat16)
-            if cfg.get("FOLD"):                   # the same bits as the separate passes
-                assert torch.equal(out, run(dict(cfg, FOLD=False), ids2, w2))
+        assert_close(out, run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch"), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cpu_global_scale_refused_while_capturing(monkeypatch):
+    # a CPU NVFP4 global scale cannot be copied inside a capture: a clear error, before any
+    # kernel (the capture is only pretended: an aborted real capture leaves the CUDA
+    # generator in capture mode for the next test)
+    ex = make_experts(4, 512, 512, "nvfp4", device="cuda", scale=0.05)
+    x = torch.randn(2, 512, device="cuda")
+    ids, w = route(torch.randn(2, 4, device="cuda"), None, topk=2)
+    bad = dict(ex, kw={n: g.cpu() for n, g in ex["kw"].items()})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="being captured"):
+        run_moe(x, bad, ids, w, "nvfp4", 10.0, "triton")
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_skewed_prefill():
+    E, H, I = 8, 1024, 512
+    ex = make_experts(E, H, I, "mxfp4", device="cuda", scale=0.05)
+    x = torch.randn(2000, H, device="cuda")
+    ids = torch.full((2000, 2), 3, dtype=torch.int32, device="cuda")
+    ids[::3, 1] = -1
+    w = torch.rand(2000, 2, device="cuda")
+    assert_close(run_moe(x, ex, ids, w, "mxfp4", None, "triton"),
+                 run_moe(x, ex, ids, w, "mxfp4", None, "torch"), torch.float32)
 
 
 @gpu
@@ -864,470 +756,3 @@ def test_gpu_hash_route_cuda_graph_capture():
                                   [hash_route(tok, table), hash_route(tok, table, logits)]):
         assert torch.equal(gi, wi)
         torch.testing.assert_close(gw, ww)
-
-
-@gpu
-@pytest.mark.gpu
-def test_gpu_skewed_prefill():
-    E, H, I = 8, 1024, 512
-    ex = make_experts(E, H, I, "mxfp4", device="cuda", scale=0.05)
-    x = torch.randn(2000, H, device="cuda")
-    ids = torch.full((2000, 2), 3, dtype=torch.int32, device="cuda")
-    ids[::3, 1] = -1
-    w = torch.rand(2000, 2, device="cuda")
-    ref = run_moe(x, ex, ids, w, "mxfp4", None, "torch")
-    out = run_moe(x, ex, ids, w, "mxfp4", None, "triton")
-    assert_close(out, ref, torch.float32)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_cuda_graph_capture_decode(fmt, monkeypatch):
-    # the decode path never asks the host: capture once, replay with new routing
-    E, H, I, k, T = 16, 1024, 512, 6, 4
-    ex = make_experts(E, H, I, fmt, device="cuda", scale=0.05)
-    cpu_globals = dict(ex["kw"])                 # nvfp4_quantize returns CPU global scales
-    ex["kw"] = {n: g.cuda() for n, g in ex["kw"].items()}   # moved once, at "load time"
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    ids, w = route(torch.randn(T, E, device="cuda"), None, topk=k)
-    run_moe(x, ex, ids, w, fmt, 10.0, "triton")   # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run_moe(x, ex, ids, w, fmt, 10.0, "triton")
-    new_ids, new_w = route(torch.randn(T, E, device="cuda"), None, topk=k)
-    new_ids[1, 2] = -1
-    ids.copy_(new_ids)
-    w.copy_(new_w)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch")
-    assert_close(out, ref, torch.bfloat16)
-    if fmt == "nvfp4":   # a CPU global scale cannot be copied inside a capture: clear error
-        # (raised before any kernel, so the capture is only pretended: a real capture aborted
-        # by the error leaves the CUDA generator in capture mode for the next test's randn)
-        bad = dict(ex, kw=cpu_globals)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        with pytest.raises(ValueError, match="being captured"):
-            run_moe(x, bad, ids, w, fmt, 10.0, "triton")
-
-
-def test_kernel_config_passthrough_and_backend_check():
-    """ops.fused_moe's kernel_config reaches the Triton kernel (a named variant gives the
-    reference's answer) and is refused for any other backend."""
-    torch.manual_seed(3)
-    E, H, I, T = 4, 64, 64, 3
-    w13, s13 = mxfp4_quantize(torch.randn(E, 2 * I, H))
-    w2, s2 = mxfp4_quantize(torch.randn(E, H, I))
-    x = torch.randn(T, H)
-    ids, w = route(torch.randn(T, E), None, topk=2)
-    ref = fused_moe(x, w13, s13, w2, s2, ids, w, backend="torch")
-    got = fused_moe(x, w13, s13, w2, s2, ids, w, backend="triton",
-                    kernel_config=dict(SWAP_AB=True, BN1=16, BN2=16))
-    assert (got - ref).abs().max() <= 3e-3 * ref.abs().max()
-    with pytest.raises(ValueError, match="kernel_config applies to the 'triton' backend only"):
-        fused_moe(x, w13, s13, w2, s2, ids, w, backend="torch", kernel_config={})
-
-
-# ------------------------------------------------ the Gluon mma.sync GEMMs (moe_mma2) -----
-def test_mma2_selection_and_fallback():
-    # the T = 64 row of the table asks for kernels/moe_mma2.py; off a GPU (or in the
-    # interpreter) supported() says why and fused_moe runs the same row's Triton entries; a
-    # caller's own Triton tiles drop the table's MMA2; a malformed MMA2 entry is refused
-    from dsv4lab.kernels import moe as kmoe, moe_mma2
-    for fmt in ("mxfp4", "nvfp4"):
-        assert kmoe.config_for(64, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T64
-        assert kmoe.config_for(1, 6, 256, fmt)["MMA2"] == kmoe._MMA2_T1      # one token only:
-        assert kmoe.config_for(8, 6, 256, fmt)["MMA2"]["MAX_T"] == 1         # T = 8 runs Triton
-        assert kmoe.config_for(256, 6, 256, fmt).get("MMA2") is None
-    x = torch.randn(3, 128)
-    assert "interpreter" in moe_mma2.supported(x, 128, 128) or "CUDA" in moe_mma2.supported(x, 128, 128)
-    if torch.cuda.is_available():
-        assert "multiples of 512" in moe_mma2.supported(x.cuda(), 4096, 384)
-    if not torch.cuda.is_available():
-        ex = make_experts(4, 128, 128, "mxfp4", seed=3)
-        g = torch.Generator().manual_seed(3)
-        ids, w = draw_routing(3, 4, 2, "holes", g)
-        args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-        out = kmoe.fused_moe(*args, fmt="mxfp4", swiglu_limit=10.0,
-                             config=dict(kmoe.PLAIN, BN1=32, BN2=32, BK1=32, BK2=32,
-                                         MMA2=kmoe._MMA2_T64))
-        assert_close(out, run_moe(x, ex, ids, w, "mxfp4", 10.0, "torch"), torch.float32)
-        with pytest.raises(ValueError, match="MMA2 must be None or a dict"):
-            kmoe.fused_moe(*args, fmt="mxfp4", config=dict(MMA2=dict(BLOCK=3)))
-        with pytest.raises(ValueError, match="moe_mma2: .*interpreter|moe_mma2: needs"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4")
-        # the register ring's depth and its one refused combination, named before any launch
-        with pytest.raises(ValueError, match="REGS must be 0, 2 or 4"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=3)
-        with pytest.raises(ValueError, match="REGS and ACC_SCALE"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=2, ACC_SCALE=True)
-        with pytest.raises(ValueError, match="EVICT applies to REGS's loads"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, REGS=0, EVICT=True)
-        with pytest.raises(ValueError, match="TILED must be False, True or 'weights'"):
-            moe_mma2.fused_moe(*args, fmt="mxfp4", FUSED=True, TILED="scales")
-        packed = moe_mma2.pack_tile_major(args[1], args[2]) + moe_mma2.pack_tile_major(args[3],
-                                                                                      args[4])
-        with pytest.raises(ValueError, match="TILED weights are read by the fused launch's"):
-            moe_mma2.fused_moe(x, *packed, *args[5:], fmt="mxfp4", TILED=True)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_mma2_pack_tile_major_layout(fmt):
-    # moe_mma2.pack_tile_major: row n's K-step k (64 packed bytes, 128 / block scales) lands at
-    # [group n // 16][k][n % 16] of its expert; same shapes and dtypes; bad shapes refused
-    from dsv4lab.kernels import moe_mma2
-    E, N, K = 2, 256, 384
-    ex = make_experts(E, K, N // 2, fmt, seed=4)         # w13: [E, N, K / 2]
-    w, s = ex["w13"], ex["w13_scale"]
-    wt, st_ = moe_mma2.pack_tile_major(w, s, fmt)
-    assert (wt.shape, wt.dtype, st_.shape, st_.dtype) == (w.shape, w.dtype, s.shape, s.dtype)
-    nsc, kst = s.shape[2] // (K // 128), K // 128
-    flat_w, flat_s = wt.reshape(E, -1), st_.view(torch.uint8).reshape(E, -1)
-    s8 = s.view(torch.uint8)
-    for n in (0, 5, 15, 16, 47, 63):
-        for k in range(kst):
-            at = ((n // 16) * kst + k) * 16 + n % 16
-            assert torch.equal(flat_w[:, 64 * at:64 * at + 64], w[:, n, 64 * k:64 * k + 64])
-            assert torch.equal(flat_s[:, nsc * at:nsc * at + nsc], s8[:, n, nsc * k:nsc * k + nsc])
-    with pytest.raises(ValueError, match="multiple of 16"):
-        moe_mma2.pack_tile_major(w[:, :24], s[:, :24], fmt)
-    with pytest.raises(ValueError, match="w must be uint8"):
-        moe_mma2.pack_tile_major(w.float(), s, fmt)
-    assert moe_mma2.pack_tile_major(w, s, fmt, scales=False)[1] is s
-    with pytest.raises(ValueError, match="already in the packed layout"):
-        moe_mma2.pack_tile_major(wt, s, fmt, scales=False)
-    # the packed tensors are marked, and what reads the canonical layout refuses them
-    assert getattr(wt, "_dsv4lab_tile_major") and getattr(st_, "_dsv4lab_tile_major")
-    assert not hasattr(w, "_dsv4lab_tile_major")
-    x = torch.randn(1, K)
-    ids, tw = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
-    w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt)
-    packed = (x, wt, st_, w2, s2, ids, tw)
-    for backend in ("torch", "triton"):
-        with pytest.raises(ValueError, match="w13 is in moe_mma2.pack_tile_major's layout"):
-            fused_moe(*packed, fmt=fmt, backend=backend, **ex["kw"])
-    # moe_mma2 checks the call's TILED against the marks, before anything else
-    canonical = (x, w, s, ex["w2"], ex["w2_scale"], ids, tw)
-    with pytest.raises(ValueError, match="TILED=False reads w13 in the canonical layout"):
-        moe_mma2.fused_moe(*packed, fmt=fmt, FUSED=True, **ex["kw"])
-    with pytest.raises(ValueError, match="TILED=True reads w13 in the packed layout"):
-        moe_mma2.fused_moe(*canonical, fmt=fmt, FUSED=True, TILED=True, **ex["kw"])
-    with pytest.raises(ValueError, match="TILED='weights' reads w13_scale in the canonical"):
-        moe_mma2.fused_moe(*packed, fmt=fmt, FUSED=True, TILED="weights", **ex["kw"])
-
-
-def test_bench_experts_for_packs_once_and_keeps_the_canonical_experts():
-    # the bench's (and tune_moe's, the variants test's) experts for a config: the canonical
-    # dict for every config but a TILED one whose MMA2 entry applies at T; packed once a dict,
-    # weights only or with the scales; the canonical dict is never replaced (a caller that
-    # rebound it packed the packed weights again in the rows at d5a2e02)
-    from dsv4lab.benchmarks.moe import experts_for
-    from dsv4lab.kernels import moe as kmoe
-    ex = make_experts(2, 128, 128, "mxfp4", seed=6)
-    tiled = dict(kmoe.PLAIN, MMA2=dict(FUSED=True, MAX_T=1, TILED=True))
-    weights = dict(kmoe.PLAIN, MMA2=dict(FUSED=True, MAX_T=1, TILED="weights"))
-    assert experts_for(ex, None, "mxfp4", 1) is ex
-    assert experts_for(ex, dict(kmoe.PLAIN), "mxfp4", 1) is ex
-    assert experts_for(ex, tiled, "mxfp4", 2) is ex                  # MMA2 does not apply
-    t = experts_for(ex, tiled, "mxfp4", 1)
-    assert t is experts_for(ex, tiled, "mxfp4", 1)                   # packed once
-    assert all(getattr(t[n], "_dsv4lab_tile_major") for n in ("w13", "w13_scale", "w2", "w2_scale"))
-    tw = experts_for(ex, weights, "mxfp4", 1)
-    assert getattr(tw["w2"], "_dsv4lab_tile_major") and tw["w2_scale"] is ex["w2_scale"]
-    assert not hasattr(ex["w13"], "_dsv4lab_tile_major")
-
-
-@pytest.mark.parametrize("H", [128, 384])
-def test_xpre_seg_order(H):
-    # x's copy for moe_mma2: per 128 columns, the 64 even ones then the 64 odd ones, times 2**-8
-    from dsv4lab.kernels import moe as kmoe
-    x = torch.randn(3, H)
-    xk = torch.empty(3, H, dtype=torch.float16)
-    kmoe._moe_xpre_kernel[(3, 1)](x, xk, H // 2, x.stride(0), xk.stride(0), BH=256, PLANES=2, SEG=True)
-    want = (x * 2.0 ** -8).view(3, H // 128, 64, 2).transpose(2, 3).reshape(3, H).to(torch.float16)
-    assert torch.equal(xk, want)
-
-
-@pytest.mark.parametrize("H,n_zero", [(128, 1), (384, 700)])
-def test_xpre_zero_copies_and_zeroes_the_counters(H, n_zero):
-    # the fused decode's prelude: the same copy as _moe_xpre_kernel (SEG order), and the
-    # launch's n_zero counters zeroed, more than one block of them, and nothing past them
-    from dsv4lab.kernels import moe as kmoe
-    x = torch.randn(3, H)
-    xk = torch.empty(3, H, dtype=torch.float16)
-    ctr = torch.full((n_zero + 5,), 7, dtype=torch.int32)
-    kmoe._moe_xpre_zero_kernel[(3, 1)](x, xk, ctr, n_zero, H // 2, x.stride(0), xk.stride(0), BH=256)
-    want = (x * 2.0 ** -8).view(3, H // 128, 64, 2).transpose(2, 3).reshape(3, H).to(torch.float16)
-    assert torch.equal(xk, want)
-    assert (ctr[:n_zero] == 0).all() and (ctr[n_zero:] == 7).all()
-
-
-# what the drawn moe_mma2 GPU tests draw besides T and the launch: experts, top-k, sizes,
-# format, clamp, routing (every token on one expert, -1 slots) and the seed
-_MMA2_DRAWS = dict(E=st.integers(2, 12), k=st.integers(1, 6), H=st.sampled_from([512, 1024]),
-                   I=st.sampled_from([512, 1536]), fmt=st.sampled_from(["mxfp4", "nvfp4"]),
-                   limit=st.sampled_from([None, 10.0]),
-                   routing=st.sampled_from(["random", "skewed", "holes"]),
-                   seed=st.integers(0, 1000))
-
-
-def _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed):
-    """A drawn moe_mma2 case on the GPU: inputs, routing, the fp32 torch reference and the
-    NVFP4 globals expanded to [E] device tensors (what the kernels read)."""
-    k = min(k, E)
-    ex = make_experts(E, H, I, fmt, seed=seed, device="cuda", scale=0.05)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).cuda().to(torch.bfloat16)
-    ids, w = draw_routing(T, E, k, routing, g)
-    ids, w = ids.cuda(), w.cuda()
-    ref = run_moe(x.float(), ex, ids, w, fmt, limit, "torch")
-    kw = per_expert_globals(ex, "cuda")
-    return x, ex, ids, w, ref, kw
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=12, deadline=None)
-@given(T=st.integers(1, 40),
-       launch=st.sampled_from([dict(), dict(SPLIT1=2, SPLIT2=2, NSPS=1, STAGES=3),
-                               dict(BN1=64, NSPS=4, STAGES=2, BN2=128, NSPS2=2, STAGES2=2),
-                               dict(BN1=128, BN2=128, num_warps=8, STAGES=2)]),
-       **_MMA2_DRAWS)
-def test_gpu_mma2_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
-    # the Gluon GEMMs against the fp32 reference over drawn shapes: tokens past one block of 8
-    # (skewed: every token on one expert), -1 slots, both formats, with and without the clamp,
-    # split-K, several segments a stage, 8 warps
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-    out = moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                             fmt=fmt, swiglu_limit=limit, **kw, **launch)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=18, deadline=None)
-@given(T=st.integers(1, 11),
-       launch=st.sampled_from([dict(), dict(BN1=64, BN2=64, STAGES=3, NSPS=2),
-                               dict(BN1=128, BN2=128, num_warps=8, STAGES=2, PREFETCH=False),
-                               dict(BN1=32, BN2=32, num_warps=2, NSPS=4, NSPS2=1),
-                               dict(SPLIT1=2, SPLIT2=2, BN1=64, BN2=64, STAGES=2, NSPS=2),
-                               dict(SPLIT1=4, SPLIT2=4, BN1=64, BN2=64, STAGES=3, NSPS=1),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
-                                    num_warps=2, PDL=False),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2),
-                               dict(BN1=64, BN2=64, SPLIT1=2, num_warps=4, REGS=4),
-                               dict(BN1=32, BN2=32, SPLIT2=2, num_warps=2, REGS=4),
-                               dict(BN1=32, BN2=64, SPLIT1=2, num_warps=2, REGS=None),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2,
-                                    EVICT=True),
-                               dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=None,
-                                    EVICT=None, PREFETCH=False),
-                               dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
-                                    EARLY=False),
-                               dict(BN1=8, BN2=16, SPLIT1=2, num_warps=1, REGS=4),
-                               dict(BN1=64, BN2=32, num_warps=2, STAGES=2, NSPS=2)]),
-       **_MMA2_DRAWS)
-def test_gpu_mma2_fused_decode_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
-    # the one-launch decode path (FUSED: pairs as blocks of one token, ticketed tiles, split-K
-    # slices summed by the last one, the last down tile of a row range summing the pairs; on
-    # sm_90+ a programmatic dependent launch of x's copy, or not: PDL=False; the K loops from
-    # a register ring 2 or 4 steps deep, REGS, whose unrolled tail is exercised by slices of
-    # 1, 2, 3 and 6 steps; gate/up and down tiles of different heights)
-    # against the fp32 reference: one token to 8 (and 9-11, which take the grouped path),
-    # every token on one expert, -1 slots, both formats, with and without the clamp; two calls
-    # give the same bits (fixed sum order)
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-
-    def run(**change):
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=limit, FUSED=True, **kw,
-                                  **dict(launch, **change))
-    if launch.get("REGS") and torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
-            run()
-        return
-    if launch.get("BN1", 64) < 16 * launch.get("num_warps", 4) and T > 8:
-        # half-height gate/up tiles are REGS's fused launch's; the grouped path refuses them
-        with pytest.raises(ValueError, match="BN1 must be a power of two >= 16"):
-            run()
-        return
-    out = run()
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(run(), out)
-    if "REGS" in launch and T <= 8 and torch.cuda.get_device_capability() >= (8, 9):
-        # an L2 policy changes no bits
-        assert torch.equal(run(EVICT=not launch.get("EVICT", False)), out)
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=16, deadline=None)
-@given(T=st.integers(1, 8),
-       launch=st.sampled_from([dict(BN1=32, BN2=32, SPLIT1=2, num_warps=2, REGS=4, EVICT=True,
-                                    PREFETCH=False),
-                               dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, num_warps=2, REGS=2),
-                               dict(BN1=8, BN2=16, SPLIT1=2, num_warps=1, REGS=4),
-                               dict(BN1=64, BN2=64, SPLIT1=2, num_warps=4, REGS=4, EARLY=False)]),
-       **_MMA2_DRAWS)
-def test_gpu_mma2_tiled_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
-    # TILED (the fused decode's register ring reading weights packed by pack_tile_major) against
-    # the fp32 reference, one token to 8, both formats, -1 slots, every token on one expert,
-    # with and without the clamp, ring 2 and 4 deep, split K, gate/up rows of two 16-row groups:
-    # the same bits as the canonical layout (only the addresses change)
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-    w13, s13 = moe_mma2.pack_tile_major(ex["w13"], ex["w13_scale"], fmt)
-    w2, s2 = moe_mma2.pack_tile_major(ex["w2"], ex["w2_scale"], fmt)
-
-    def run(w13, s13, w2, s2, **change):
-        return moe_mma2.fused_moe(x, w13, s13, w2, s2, ids, w, fmt=fmt, swiglu_limit=limit,
-                                  FUSED=True, **kw, **dict(launch, **change))
-    if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="REGS decodes with CVT8_WORD_ASM"):
-            run(w13, s13, w2, s2, TILED=True)
-        return
-    out = run(w13, s13, w2, s2, TILED=True)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert torch.equal(out, run(ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"]))
-    # the weights packed, the scales as they were
-    assert torch.equal(out, run(w13, ex["w13_scale"], w2, ex["w2_scale"], TILED="weights"))
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_warps", [2, 4])
-def test_gpu_mma2_regs_half_tiles_need_register_bit(num_warps):
-    # REGS's fused gate/up tile splits its 2 BN1 rows into gate and up on the top row bit: with
-    # BN1 8 num_warps over 2+ warps that bit is a warp's and the split cannot compile, so the
-    # launcher refuses it, naming BN1 and the least it takes; 16 num_warps runs
-    from dsv4lab.kernels import moe_mma2
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("REGS decodes with CVT8_WORD_ASM (sm_89+)")
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(1, 4, 2, 512, 512, "mxfp4", None, "random", 0)
-
-    def run(bn1):
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  FUSED=True, REGS=4, BN1=bn1, BN2=16 * num_warps,
-                                  num_warps=num_warps, **kw)
-    with pytest.raises(ValueError, match=f"BN1 must be a power of two >= {16 * num_warps} with "
-                                         f"num_warps {num_warps}, got {8 * num_warps}"):
-        run(8 * num_warps)
-    assert_close(run(16 * num_warps), ref, torch.bfloat16)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("launch", [dict(), dict(FUSED=True, BN1=32, BN2=32, SPLIT1=4, SPLIT2=2,
-                                                 STAGES=3, NSPS=2, num_warps=2)])
-def test_gpu_mma2_cvt8_decode_is_bitwise_fastdec(fmt, launch):
-    # the e5m2-conversion decode (sm_89+) and FASTDEC give the same bits, grouped and fused;
-    # where the GPU cannot convert fp8, asking for it is refused with the reason
-    from dsv4lab.kernels import moe_mma2
-    T = 1 if launch else 40
-    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=5)
-    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-    fast = moe_mma2.fused_moe(*args, fmt=fmt, swiglu_limit=10.0, CVT8=False, **kw, **launch)
-    if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="CVT8 needs sm_89"):
-            moe_mma2.fused_moe(*args, fmt=fmt, CVT8=True, **kw, **launch)
-        return
-    cvt8 = moe_mma2.fused_moe(*args, fmt=fmt, swiglu_limit=10.0, CVT8=True, **kw, **launch)
-    assert torch.equal(cvt8, fast)
-    assert_close(cvt8, ref, torch.bfloat16)
-
-
-@gpu
-@pytest.mark.gpu
-@settings(max_examples=16, deadline=None)
-@given(T=st.integers(1, 8),
-       launch=st.sampled_from([dict(BN1=32, BN2=32, SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2,
-                                    num_warps=2),
-                               dict(BN1=64, BN2=64, STAGES=2, NSPS=4),
-                               dict(BN1=128, BN2=128, num_warps=8, STAGES=2, SPLIT1=2)]),
-       **_MMA2_DRAWS)
-def test_gpu_mma2_acc_scale_matches_reference(T, E, k, H, I, fmt, limit, routing, launch, seed):
-    # ACC_SCALE (the fused decode with the block scales on the accumulator: x's row n holds
-    # scale block n's elements, the mma's column n that block's partial dot) against the fp32
-    # reference and against the scaled-weights decode, one token to 8, both formats, -1 slots,
-    # every token on one expert, with and without the clamp; two calls give the same bits.
-    # Where the GPU cannot convert fp8 (before sm_89) it is refused with the reason.
-    from dsv4lab.kernels import moe_mma2
-    x, ex, ids, w, ref, kw = _mma2_drawn_case(T, E, k, H, I, fmt, limit, routing, seed)
-    args = (x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w)
-    opts = dict(fmt=fmt, swiglu_limit=limit, FUSED=True, **kw, **launch)
-    if torch.cuda.get_device_capability() < (8, 9):
-        with pytest.raises(ValueError, match="ACC_SCALE"):
-            moe_mma2.fused_moe(*args, ACC_SCALE=True, **opts)
-        return
-    out = moe_mma2.fused_moe(*args, ACC_SCALE=True, **opts)
-    assert out.shape == (T, H) and out.dtype == x.dtype
-    assert_close(out, ref, torch.bfloat16)
-    assert_close(out, moe_mma2.fused_moe(*args, **opts), torch.bfloat16)
-    assert torch.equal(moe_mma2.fused_moe(*args, ACC_SCALE=True, **opts), out)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("split", [dict(), dict(SPLIT1=4, SPLIT2=2, STAGES=2, NSPS=2),
-                                   dict(SPLIT1=4, SPLIT2=2, STAGES=3, NSPS=2, BN1=32, BN2=32,
-                                        num_warps=2, ACC_SCALE=True),
-                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4),
-                                   dict(SPLIT1=2, SPLIT2=1, BN1=32, BN2=32, num_warps=2, REGS=4,
-                                        EVICT=True, PREFETCH=False)])
-def test_gpu_mma2_fused_decode_in_graph(fmt, split):
-    # the fused decode launch at Flash's sizes (32 experts, one -1 slot), captured in a CUDA
-    # graph and replayed on new routing: the counters start from zero on every replay
-    from dsv4lab import bench
-    from dsv4lab.kernels import moe_mma2
-    T = 1
-    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=91)
-
-    def run():
-        return moe_mma2.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                                  fmt=fmt, swiglu_limit=10.0, FUSED=True, **kw, **split)
-    assert_close(run(), ref, torch.bfloat16)
-    graph, out = bench.capture_graph(run)
-    _replay_on_new_routing(graph, out, x, ex, ids, w, fmt, T, seeds=range(3))
-
-
-def _replay_on_new_routing(graph, out, x, ex, ids, w, fmt, T, seeds):
-    """Replay a captured Flash-size call (32 experts, top-6; ``ids`` and ``w`` its routing
-    buffers) on new routing, one replay a seed, each against the fp32 reference."""
-    for seed in seeds:
-        torch.manual_seed(seed)
-        new_ids, new_w = route(torch.randn(T, 32, device="cuda"), None, topk=6)
-        ids.copy_(new_ids)
-        w.copy_(new_w)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out, run_moe(x.float(), ex, ids, w, fmt, 10.0, "torch"), torch.bfloat16)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_mma2_default_in_graph(fmt):
-    # the table's T = 64 row (fused_moe picks moe_mma2) at Flash's sizes, 32 experts,
-    # captured in a CUDA graph and replayed on new routing: no host sync, right answers
-    from dsv4lab import bench
-    from dsv4lab.kernels import moe as kmoe
-    T = 8                                 # 48 pairs on 32 experts: the table's T = 64 row
-    x, ex, ids, w, ref, kw = _flash_variant_case(fmt, T, seed=77)
-    assert kmoe.config_for(T, 6, 32, fmt)["MMA2"] is not None
-
-    def run():
-        return kmoe.fused_moe(x, ex["w13"], ex["w13_scale"], ex["w2"], ex["w2_scale"], ids, w,
-                              fmt=fmt, swiglu_limit=10.0, **kw)
-    assert_close(run(), ref, torch.bfloat16)
-    graph, out = bench.capture_graph(run)
-    _replay_on_new_routing(graph, out, x, ex, ids, w, fmt, T, seeds=[0])

@@ -180,3 +180,38 @@ def test_bad_shapes_and_dtypes():
         nvfp4_dequantize(pn, sn, -1.0)
     with pytest.raises(ValueError, match="global_scale"):
         nvfp4_quantize(torch.randn(2, 32), global_scale=float("nan"))
+
+
+def test_nvfp4_tiny_global_scale_refused():
+    # a global scale under amax / (448 * 6) would push block scales past E4M3's 448, where they
+    # saturate and the error grows without bound: refused, naming global_scale; at the smallest
+    # allowed value (the default, rounded to fp32) the block scales stay in range
+    torch.manual_seed(1)
+    x = torch.randn(4, 64)
+    amax = x.abs().max().item()
+    with pytest.raises(ValueError, match=r"global_scale=.* is too small.*448"):
+        nvfp4_quantize(x, global_scale=amax / 2688 / 10)
+    with pytest.raises(ValueError, match="global_scale"):
+        nvfp4_quantize(x, global_scale=torch.tensor(1e-30))
+    for g in (amax / 2688, float(torch.tensor(amax / 2688, dtype=torch.float32))):
+        p, s, g2 = nvfp4_quantize(x, global_scale=g)
+        assert s.float().max().item() <= 448.0
+        deq = nvfp4_dequantize(p, s, g2)
+        amax16 = x.abs().reshape(4, 4, 16).amax(-1, keepdim=True)
+        assert ((deq - x).abs().reshape(4, 4, 16) <= amax16 * (1 / 6 + 1 / 16) + 1e-6).all()
+
+
+@pytest.mark.parametrize("mag", [1e38, 1e-38, 1e-45, 0.0])
+def test_quantisers_never_write_a_nan_scale(mag):
+    # the E8M0 byte 255 and the E4M3 bytes 0x7F / 0xFF are NaN: at the ends of fp32's range
+    # (the largest finite values, subnormals, zero) no quantiser writes one, so what they make
+    # always dequantises
+    x = torch.full((2, 64), mag)
+    x[0, ::3] = -mag
+    for rule in ("ocp", "ceil"):
+        p, s = mxfp4_quantize(x, scale_rule=rule)
+        assert int(s.max()) <= 254
+        assert torch.isfinite(mxfp4_dequantize(p, s)).all()
+    p, s, g = nvfp4_quantize(x)
+    assert not ((s.view(torch.uint8) & 0x7F) == 0x7F).any()
+    assert torch.isfinite(nvfp4_dequantize(p, s, g)).all()

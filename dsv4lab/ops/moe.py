@@ -14,15 +14,18 @@
   outside ``[0, E)``) is skipped.
 
 Backends of op "fused_moe": "torch" (dequantise the experts hit, fp32 matmuls: the
-reference), "triton" (the portable port in :mod:`dsv4lab.kernels.moe`), and "trtllm_fp4",
-flashinfer's ``trtllm_fp4_block_scale_moe`` modelled as an external, SM100-only backend,
-the one the campaign's draft model was sent to on GPUs it cannot run on.
+reference), "triton" (the kernel family :mod:`dsv4lab.kernels.moe`: its dispatch picks the
+kernel), and "trtllm_fp4", flashinfer's SM100-only ``trtllm_fp4_block_scale_moe``, the one
+the campaign's draft model was sent to on GPUs it cannot run on: registered to tell that
+story, never picked by "auto", refused by name at resolution.
 
 Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 from __future__ import annotations
 
 import importlib.util
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +36,7 @@ from dsv4lab.backends import BackendUnavailable
 from dsv4lab.quant.fp4 import mxfp4_dequantize, nvfp4_dequantize
 
 __all__ = ["route", "hash_route", "fused_moe", "moe_dense", "swiglu", "check_fused_moe_args",
-           "SCORE_FUNCS", "FORMATS"]
+           "check_fused_moe_values", "SCORE_FUNCS", "FORMATS"]
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 FORMATS = ("mxfp4", "nvfp4")
@@ -97,16 +100,16 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int =
 
 def hash_route(token_ids: torch.Tensor, table: torch.Tensor, router_logits: torch.Tensor | None = None,
                *, score: str = "sqrtsoftplus", routed_scaling_factor: float = 1.5,
-               norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               norm_topk_prob: bool = True, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Hash routing of the first layers: experts ``table[token_id]`` (``tid2eid``).
 
     Returns ``(topk_ids int32 [T, k], topk_weights fp32 [T, k])``. With ``router_logits
     [T, E]`` the weights are the reference design's: unbiased scores of the hashed experts,
     normalised, times ``routed_scaling_factor``; without them, uniform
-    ``routed_scaling_factor / k``. No host synchronisation while a CUDA graph is being
-    captured: the value checks (token ids inside the table, expert ids inside ``[0, E)``)
-    then are skipped, as in :func:`fused_moe`; shape/dtype/device checks always run.
-    Explained in notebooks/04_mxfp4_moe_port.ipynb.
+    ``routed_scaling_factor / k``. Checks: shapes, dtypes and devices always; with
+    ``validate`` also the values in one host sync (token ids inside the table; with logits,
+    the table's expert ids inside ``[0, E)``, each table checked once), skipped while a CUDA
+    graph is being captured. Explained in notebooks/04_mxfp4_moe_port.ipynb.
     """
     if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in _INTS or token_ids.dim() != 1:
         raise ValueError(f"token_ids must be a 1-D int32/int64 tensor [T], got "
@@ -118,24 +121,46 @@ def hash_route(token_ids: torch.Tensor, table: torch.Tensor, router_logits: torc
         raise ValueError(f"table is on {table.device}, token_ids on {token_ids.device}")
     _check_route_opts(score, routed_scaling_factor)
     V, k = table.shape
-    capturing = _is_capturing(token_ids)      # value checks need the host: skipped in a capture
-    if token_ids.numel() and not capturing and (int(token_ids.min()) < 0 or int(token_ids.max()) >= V):
-        raise ValueError(f"token_ids must lie in [0, {V}) (the table's vocab), got "
-                         f"[{int(token_ids.min())}, {int(token_ids.max())}]")
-    ids = table[token_ids.long()]
     T = token_ids.shape[0]
+    if router_logits is not None and (not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2
+                                      or router_logits.shape[0] != T or router_logits.dtype not in _FLOATS):
+        raise ValueError(f"router_logits must be a float [T={T}, E] tensor, got "
+                         f"{getattr(router_logits, 'dtype', None)} {list(getattr(router_logits, 'shape', []))}")
+    if validate and not _is_capturing(token_ids):
+        _check_hash_values(token_ids, table, None if router_logits is None else router_logits.shape[1])
+    ids = table[token_ids.long()]
     if router_logits is None:
         w = torch.full((T, k), routed_scaling_factor / k, dtype=torch.float32, device=token_ids.device)
         return ids.to(torch.int32), w
-    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2 or \
-            router_logits.shape[0] != T or router_logits.dtype not in _FLOATS:
-        raise ValueError(f"router_logits must be a float [T={T}, E] tensor, got "
-                         f"{getattr(router_logits, 'dtype', None)} {list(getattr(router_logits, 'shape', []))}")
-    E = router_logits.shape[1]
-    if ids.numel() and not capturing and (int(ids.min()) < 0 or int(ids.max()) >= E):
-        raise ValueError(f"table holds expert ids outside [0, E={E})")
     w = _scores(router_logits, score).gather(1, ids.long())
     return ids.to(torch.int32), _finish_weights(w, norm_topk_prob, routed_scaling_factor)
+
+
+_CLEAN_TABLES: dict = {}
+
+
+def _check_hash_values(token_ids, table, E) -> None:
+    """hash_route's value checks in one host sync (a table found clean is not read again)."""
+    V = table.shape[0]
+    flags = [token_ids.min(), token_ids.max()] if token_ids.numel() else []
+    key = (_scale_key(table), E)
+    check_table = E is not None and table.numel() and key not in _CLEAN_TABLES
+    if check_table:
+        flags += [table.min(), table.max()]
+    if not flags:
+        return
+    got = torch.stack([f.long() for f in flags]).tolist()      # the one host sync
+    if token_ids.numel():
+        lo, hi = got[:2]
+        got = got[2:]
+        if lo < 0 or hi >= V:
+            raise ValueError(f"token_ids must lie in [0, {V}) (the table's vocab), got [{lo}, {hi}]")
+    if check_table:
+        if got[0] < 0 or got[1] >= E:
+            raise ValueError(f"table holds expert ids outside [0, E={E}), got [{got[0]}, {got[1]}]")
+        if len(_CLEAN_TABLES) >= 64:
+            _CLEAN_TABLES.clear()
+        _CLEAN_TABLES[key] = True
 
 
 # ---------------------------------------------------------------- fused_moe ---------------
@@ -178,11 +203,11 @@ def _scalar_or_per_expert(g, name: str, E: int, device) -> torch.Tensor:
 
 
 def check_fused_moe_args(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
-                         w13_global, w2_global, swiglu_limit):
+                         w13_global, w2_global, swiglu_limit, validate: bool = True):
     """Validate every argument of :func:`fused_moe`; return (E, I, w13_global[E], w2_global[E]).
 
-    Value checks that need the host (expert ids in range, finite weights) are skipped while
-    a CUDA graph is being captured; the kernels skip out-of-range ids either way.
+    Shapes, dtypes and devices always (free); with ``validate`` the values too, in one host
+    sync (skipped while a CUDA graph is being captured): :func:`check_fused_moe_values`.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -238,15 +263,71 @@ def check_fused_moe_args(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights
         raise ValueError("topk_ids: k must be at least 1")
     if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
         raise ValueError(f"swiglu_limit must be None or a positive number, got {swiglu_limit!r}")
-    if topk_ids.numel() and not _is_capturing(x):
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if validate and not _is_capturing(x):
+        check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, fmt=fmt)
+    return E, inter, g13, g2
+
+
+# Scale tensors found free of NaN bytes, by (data_ptr, shape, strides, dtype, device, version),
+# each with a weak reference to the tensor checked: a model's weights are checked on their first
+# call only (an in-place write bumps the version), and a new tensor that happens to reuse a freed
+# one's memory is checked afresh.
+_CLEAN_SCALES: dict = {}
+_CLEAN_SCALES_MAX = 4096
+
+
+def _scale_key(s: torch.Tensor) -> tuple:
+    return (s.data_ptr(), tuple(s.shape), tuple(s.stride()), s.dtype, str(s.device), s._version)
+
+
+def _known_clean(s: torch.Tensor) -> bool:
+    ref = _CLEAN_SCALES.get(_scale_key(s))
+    return ref is not None and ref() is s
+
+
+def _nan_scale_bytes(s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Whether ``s`` holds a NaN scale (E8M0 255; E4M3 0x7F / 0xFF), as a 0-d device tensor."""
+    if fmt == "mxfp4":
+        return (s == 255).any()
+    return ((s.view(torch.uint8) & 0x7F) == 0x7F).any()
+
+
+def check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, *, fmt) -> None:
+    """The value checks of :func:`fused_moe`, in one host sync: routing ids in [-1, E), finite
+    routing weights and x, and no NaN scale byte in a scale tensor not seen clean before
+    (the reference refuses those; a kernel would silently give zeros)."""
+    E = w13_scale.shape[0]
+    flags = []
+    if topk_ids.numel():
+        flags += [topk_ids.min().long(), topk_ids.max().long(),
+                  (~torch.isfinite(topk_weights)).any().long()]
+    if x.numel():
+        flags.append((~torch.isfinite(x)).any().long())
+    fresh = [(n, s) for n, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale))
+             if s.numel() and not _known_clean(s)]
+    flags += [_nan_scale_bytes(s, fmt).long() for _, s in fresh]
+    if not flags:
+        return
+    got = torch.stack(flags).tolist()                     # the one host sync
+    if topk_ids.numel():
+        lo, hi, bad_w = got[:3]
+        got = got[3:]
         if lo < -1 or hi >= E:
             raise ValueError(f"topk_ids must lie in [-1, E={E}) (-1 = no expert), got [{lo}, {hi}]")
-        if not bool(torch.isfinite(topk_weights).all()):
+        if bad_w:
             raise ValueError("topk_weights contains NaN or Inf")
-        if not bool(torch.isfinite(x).all()):
+    if x.numel():
+        if got[0]:
             raise ValueError("x contains NaN or Inf")
-    return E, inter, g13, g2
+        got = got[1:]
+    for (name, s), bad in zip(fresh, got):
+        if bad:
+            what = ("contain 255, the E8M0 NaN encoding" if fmt == "mxfp4"
+                    else "contain NaN (E4M3 0x7F/0xFF)")
+            raise ValueError(f"{name}: scales {what}")
+        if len(_CLEAN_SCALES) >= _CLEAN_SCALES_MAX:
+            _CLEAN_SCALES.clear()
+        _CLEAN_SCALES[_scale_key(s)] = weakref.ref(s)
 
 
 def moe_dense(x, w13, w2, topk_ids, topk_weights, *, swiglu_limit=None, compute_dtype=None):
@@ -286,8 +367,6 @@ def moe_dense(x, w13, w2, topk_ids, topk_weights, *, swiglu_limit=None, compute_
 def _fused_moe_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
                      w13_global, w2_global, swiglu_limit):
     """Dequantise the experts hit to fp32 and matmul (the reference)."""
-    from dsv4lab.kernels.moe import check_canonical
-    check_canonical("fused_moe (torch)", w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale)
     T, k = topk_ids.shape
     E = w13.shape[0]
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
@@ -311,71 +390,66 @@ def _fused_moe_torch(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *,
 
 
 @backends.register("fused_moe", "triton", kind="triton", priority=20, formats=FORMATS,
-                   description="the portable Triton port (kernels/moe.py): sm_80/90/120, interpreter")
+                   description="the FP4 MoE family (kernels/moe/dispatch.py): the portable Triton "
+                               "kernel everywhere, the H200's Gluon fast paths on sm_90")
 def _fused_moe_triton(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
-                      w13_global, w2_global, swiglu_limit, kernel_config=None):
-    """Grouped FP4 MoE in Triton: dequantise in registers, fused SwiGLU, weighted combine."""
-    from dsv4lab.kernels import moe as kmoe
-    return kmoe.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
-                          w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit,
-                          config=kernel_config)
+                      w13_global, w2_global, swiglu_limit):
+    """The kernel family's dispatch (dsv4lab.kernels.moe.dispatch.TABLES)."""
+    from dsv4lab.kernels.moe import dispatch
+    return dispatch.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
+                              w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit)
 
 
-@backends.register("fused_moe", "triton_scaled", kind="triton", priority=10, formats=("mxfp4",),
-                   min_capability=(8, 0), auto=False,
-                   description="MXFP4 MoE on tl.dot_scaled (kernels/moe_scaled.py): sm_80+, interpreter")
-def _fused_moe_triton_scaled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt,
-                             w13_global, w2_global, swiglu_limit, kernel_config=None):
-    """Grouped MXFP4 MoE on Triton's ``tl.dot_scaled`` (e2m1 upcast in registers + MMA)."""
-    from dsv4lab.kernels import moe_scaled as kms
-    return kms.fused_moe_scaled(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
-                                swiglu_limit=swiglu_limit, config=kernel_config)
+def _flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
 
 
-def _flashinfer_missing() -> str | None:
-    if importlib.util.find_spec("flashinfer") is None:
+def _trtllm_unavailable() -> str:
+    """Why "trtllm_fp4" never runs here, on a GPU it would run on as on any other."""
+    if not _flashinfer_importable():
         return "needs flashinfer (its trtllm_fp4_block_scale_moe kernel); flashinfer is not installed"
-    return None
+    return ("is modelled for dispatch only: dsv4lab does not ship the shuffled weight layout "
+            "flashinfer's trtllm_fp4_block_scale_moe expects (use backend='triton')")
 
 
+# flashinfer's SM100-only kernel, the one the campaign's draft model was sent to: registered so
+# that the notebooks can show the dispatch that crashed, never a candidate for "auto", and
+# refused at resolution (with the reason) when asked for by name.
 @backends.register("fused_moe", "trtllm_fp4", kind="external", priority=100,
                    formats=FORMATS, min_capability=(10, 0), max_capability=(10, 3),
-                   interpreter=False, requires=_flashinfer_missing,
-                   description="flashinfer trtllm_fp4_block_scale_moe (SM100-only, external)")
+                   interpreter=False, auto=False, requires=_trtllm_unavailable,
+                   description="flashinfer trtllm_fp4_block_scale_moe (SM100-only, external; "
+                               "modelled, never run)")
 def _fused_moe_trtllm(*args, **kwargs):
-    """flashinfer's SM100-only ``trtllm_fp4_block_scale_moe`` (modelled for dispatch)."""
-    raise BackendUnavailable(
-        "fused_moe: backend 'trtllm_fp4' is modelled for dispatch only: dsv4lab does not ship "
-        "the shuffled weight layout flashinfer's trtllm_fp4_block_scale_moe expects; "
-        "use backend='triton'")
+    """flashinfer's SM100-only ``trtllm_fp4_block_scale_moe`` (modelled: resolution refuses it)."""
+    raise BackendUnavailable(f"fused_moe: backend 'trtllm_fp4' {_trtllm_unavailable()}")
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
               w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
               fmt: str = "mxfp4", w13_global=None, w2_global=None,
               swiglu_limit: float | None = None, backend: str = "auto",
-              kernel_config: dict | None = None) -> torch.Tensor:
+              validate: bool = True) -> torch.Tensor:
     """Routed experts over FP4 weights: ``[T, hidden]`` in x's dtype.
 
     ``w13 uint8 [E, 2I, hidden/2]`` (gate rows, then up rows), ``w2 uint8 [E, hidden, I/2]``;
     scales uint8 E8M0 ``[.., K/32]`` (mxfp4) or float8_e4m3fn ``[.., K/16]`` with fp32
     global scales (a float, 0-d or per-expert [E]) for nvfp4. ``topk_ids`` -1 is skipped.
-    ``kernel_config`` overrides the Triton kernel's launch table (keys of
-    ``dsv4lab.kernels.moe.CONFIG_KEYS``; benchmarks use it to time named variants).
-    Explained in notebooks/04_mxfp4_moe_port.ipynb.
+
+    Checks: shapes, dtypes and devices always, on the host (free). With ``validate`` (the
+    default) also the values, before any kernel, in one host sync: ``topk_ids`` in [-1, E),
+    finite ``topk_weights`` and ``x``, and no NaN scale byte (E8M0 255, E4M3 0x7F/0xFF) in
+    ``w13_scale`` / ``w2_scale``, each scale tensor checked once (its verdict kept while its
+    storage and version are the same). While a CUDA graph is being captured the value checks
+    are skipped (no host sync possible); callers that made the data themselves may pass
+    ``validate=False``. Explained in notebooks/04_mxfp4_moe_port.ipynb.
     """
     E, inter, g13, g2 = check_fused_moe_args(
         x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
-        w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit)
+        w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit, validate=validate)
     chosen = backends.resolve("fused_moe", backend, fmt=fmt, device=x.device)
-    extra = {}
-    if kernel_config is not None:
-        if chosen.name not in ("triton", "triton_scaled"):
-            raise ValueError(f"kernel_config applies to the 'triton' backend only (and 'triton_scaled'); "
-                             f"resolved {chosen.name!r}")
-        extra["kernel_config"] = dict(kernel_config)
     if x.shape[0] == 0:
         return torch.zeros_like(x)
     return chosen.fn(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
                      w13_global=g13, w2_global=g2,
-                     swiglu_limit=None if swiglu_limit is None else float(swiglu_limit), **extra)
+                     swiglu_limit=None if swiglu_limit is None else float(swiglu_limit))

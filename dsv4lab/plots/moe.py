@@ -12,17 +12,26 @@ import matplotlib.pyplot as plt
 from dsv4lab import results, roofline
 from dsv4lab.plots._common import latest, note
 
-KEYS = ("T", "impl", "fmt", "E", "hidden", "intermediate", "topk", "gpu")
-STYLE = {("triton", "mxfp4"): ("#2ca02c", "^", "Triton, MXFP4 (CUDA graph)"),
-         ("triton", "nvfp4"): ("#1f77b4", "v", "Triton, NVFP4 (CUDA graph)"),
-         ("triton_plain", "mxfp4"): ("#7f7f7f", "x", "Triton, MXFP4, first port (no XPRE/FASTDEC)"),
-         ("torch_ref", "mxfp4"): ("#d62728", "o", "torch: dequantise + fp32 matmul per expert"),
-         ("torch_bf16", "bf16"): ("#ff7f0e", "s", "torch: bf16 weights (dequantised at load)")}
+KEYS = ("T", "impl", "fmt", "mode", "E", "hidden", "intermediate", "topk", "gpu")
+# (impl, fmt, mode): colour, marker, line style, label
+STYLE = {("triton", "mxfp4", "graph"): ("#2ca02c", "^", "-", "Triton family, MXFP4 (CUDA graph)"),
+         ("triton", "nvfp4", "graph"): ("#1f77b4", "v", "-", "Triton family, NVFP4 (CUDA graph)"),
+         ("triton", "mxfp4", "eager"): ("#2ca02c", "^", ":", "Triton family, MXFP4 (eager call)"),
+         ("triton", "nvfp4", "eager"): ("#1f77b4", "v", ":", "Triton family, NVFP4 (eager call)"),
+         ("torch_ref", "mxfp4", "eager"): ("#d62728", "o", "-", "torch: dequantise + fp32 matmul per expert"),
+         ("torch_bf16", "bf16", "eager"): ("#ff7f0e", "s", "-", "torch: bf16 weights (dequantised at load)")}
+
+
+def with_mode(row: dict) -> dict:
+    """The row with its ``mode``: rows recorded before the field say it by their timing."""
+    if row.get("mode"):
+        return row
+    return dict(row, mode="graph" if row.get("timing") == "cuda_graph" else "eager")
 
 
 def clean(rows, *, smoke: bool = False) -> list[dict]:
-    """Newest row per configuration; GPU rows only unless ``smoke``."""
-    return latest(rows, KEYS, smoke=smoke)
+    """Newest row per configuration (mode included); GPU rows only unless ``smoke``."""
+    return latest([with_mode(r) for r in rows], KEYS, smoke=smoke)
 
 
 def plot_moe(rows=None, *, smoke: bool = False, ax=None):
@@ -34,12 +43,14 @@ def plot_moe(rows=None, *, smoke: bool = False, ax=None):
     if not rows:
         note(ax, "no recorded moe rows yet:\nrun `dsv4lab bench moe` on a GPU")
         return fig or ax.figure
-    for (impl, fmt), (color, marker, label) in STYLE.items():
-        pts = sorted((r["T"], r["ms"] * 1e3) for r in rows if r["impl"] == impl and r["fmt"] == fmt)
+    for (impl, fmt, mode), (color, marker, ls, label) in STYLE.items():
+        pts = sorted((r["T"], r["ms"] * 1e3) for r in rows
+                     if r["impl"] == impl and r["fmt"] == fmt and r["mode"] == mode)
         if pts:
-            ax.plot(*zip(*pts), marker=marker, color=color, label=label)
+            ax.plot(*zip(*pts), marker=marker, color=color, ls=ls, label=label,
+                    mfc="none" if mode == "eager" and impl == "triton" else color)
     roof = sorted({(r["T"], r["roofline_ms"] * 1e3) for r in rows
-                   if r["impl"] == "triton" and r["fmt"] == "mxfp4"})
+                   if r["impl"] == "triton" and r["fmt"] == "mxfp4" and r["mode"] == "graph"})
     if roof:
         ax.plot(*zip(*roof), "k--", label="roofline: MXFP4 bytes of experts hit / HBM bandwidth")
     ax.set_xscale("log", base=2)
@@ -47,9 +58,29 @@ def plot_moe(rows=None, *, smoke: bool = False, ax=None):
     ax.set_xlabel("tokens T (top-6 of 256 experts)")
     ax.set_ylabel("microseconds per MoE layer")
     ax.set_title(f"FP4 MoE at DeepSeek-V4-Flash's shape\n{results.label(rows)}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     return fig or ax.figure
+
+
+def headline(rows=None, *, smoke: bool = False, tokens=(1, 8, 64, 256)) -> list[dict]:
+    """The Triton rows a table shows: per T and format, graph and eager microseconds, the
+    fraction of the roofline (graph) and the kernel the dispatch ran."""
+    rows = clean(results.load("moe") if rows is None else rows, smoke=smoke)
+    out = []
+    for T in tokens:
+        for fmt in ("mxfp4", "nvfp4"):
+            g = [r for r in rows if (r["impl"], r["fmt"], r["T"], r["mode"]) == ("triton", fmt, T, "graph")]
+            e = [r for r in rows if (r["impl"], r["fmt"], r["T"], r["mode"]) == ("triton", fmt, T, "eager")]
+            if not g and not e:
+                continue
+            g0 = g[-1] if g else {}
+            out.append(dict(T=T, fmt=fmt, graph_us=round(g0["ms"] * 1e3, 1) if g else None,
+                            eager_us=round(e[-1]["ms"] * 1e3, 1) if e else None,
+                            roofline_fraction=round(g0.get("roofline_fraction", 0), 3) if g else None,
+                            kernel=g0.get("kernel", ""), commit=str(g0.get("commit", ""))[:7],
+                            date=str(g0.get("date", ""))[:10]))
+    return out
 
 
 def plot_bytes_per_token(*, E=256, H=4096, I=2048, topk=6, device="H200", ax=None, max_t=512):

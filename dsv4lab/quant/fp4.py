@@ -18,9 +18,13 @@ zero, so -0.0 and -0.1 (at scale 1) both become nibble 0x8, "negative zero".
   An all-zero block gets scale byte 0.
 - **NVFP4** (NVIDIA): one E4M3 scale per 16 elements times one fp32 global scale per
   tensor. ``global_scale`` defaults to ``amax / (448 * 6)`` (1.0 for an all-zero tensor);
-  block scale = ``amax16 / (6 * global_scale)`` rounded to E4M3 (saturating at 448);
-  element = E2M1(x / (block_scale * global_scale)). Dequantised value
+  block scale = ``amax16 / (6 * global_scale)`` rounded to E4M3; a ``global_scale`` so small
+  that a block scale would exceed E4M3's range (448, beyond its rounding) is refused.
+  Element = E2M1(x / (block_scale * global_scale)). Dequantised value
   ``(e2m1 * block_scale) * global_scale`` (that order: the first product is exact).
+
+Neither quantiser writes a NaN scale (E8M0 255, E4M3 0x7F / 0xFF), and both dequantisers
+refuse one with a ValueError.
 
 The quantisers work in float64, where every step except the final E2M1 rounding is
 exact, so the results are bit-reproducible on any machine.
@@ -43,6 +47,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MX_BLOCK = 32
 NV_BLOCK = 16
 E4M3_MAX = 448.0
+E4M3_SATURATES = 464.0     # block scales above this do not round to 448: they would saturate
 E2M1_MAX = 6.0
 
 
@@ -170,7 +175,8 @@ def nvfp4_quantize(x: torch.Tensor, *, global_scale=None
     """Quantise ``x [..., K]`` to NVFP4.
 
     Returns ``(packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16], global_scale fp32 0-d)``.
-    Explained in notebooks/04_mxfp4_moe_port.ipynb.
+    A given ``global_scale`` under ``amax / (448 * 6)`` (block scales beyond E4M3's range) is a
+    ValueError. Explained in notebooks/04_mxfp4_moe_port.ipynb.
     """
     _check_float(x, "x", NV_BLOCK)
     shape = x.shape
@@ -183,7 +189,15 @@ def nvfp4_quantize(x: torch.Tensor, *, global_scale=None
         g = _global_scale_value(global_scale)
     xb = x.detach().to(torch.float64).reshape(*shape[:-1], shape[-1] // NV_BLOCK, NV_BLOCK)
     amax16 = xb.abs().amax(dim=-1)
-    bs = (amax16 / (E2M1_MAX * g)).clamp(max=E4M3_MAX)
+    bs = amax16 / (E2M1_MAX * g)
+    if global_scale is not None and bs.numel() and float(bs.max()) > E4M3_SATURATES:
+        amax = float(amax16.max())
+        raise ValueError(
+            f"global_scale={g:.6g} is too small for x (amax {amax:.6g}): its block scales "
+            f"amax16 / (6 * global_scale) reach {float(bs.max()):.6g}, beyond E4M3's largest "
+            f"value (448), and would saturate; use global_scale >= amax / (448 * 6) = "
+            f"{amax / (E4M3_MAX * E2M1_MAX):.6g} (the default)")
+    bs = bs.clamp(max=E4M3_MAX)
     bs8 = bs.to(torch.float32).to(torch.float8_e4m3fn)
     denom = bs8.to(torch.float64) * g
     safe = torch.where(denom > 0, denom, torch.ones_like(denom))

@@ -45,19 +45,10 @@ def block_rows(block_start_ptr, block_count_ptr, sorted_pair_ptr, b, BM: tl.cons
 
 
 @triton.jit
-def _moe_align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
-                      block_count_ptr, P, E, NB_MAX,
-                      BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    _align_body(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
-                P, E, NB_MAX, BM, P_PAD, E_PAD)
-
-
-@triton.jit
-def _align_body(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
-                block_count_ptr, P, E, NB_MAX,
-                BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """The grouping, in one program (also run by program 0 of kernels/moe.py's fused
-    prologue, ``_moe_prologue_kernel``)."""
+def align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_start_ptr,
+                 block_count_ptr, P, E, NB_MAX,
+                 BM: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """The grouping, in one program."""
     offs = tl.arange(0, P_PAD)
     inb = offs < P
     ids = tl.load(ids_ptr + offs, mask=inb, other=-1).to(tl.int32)
@@ -92,28 +83,26 @@ def align_kernel_fits(P: int) -> bool:
     return max(16, triton.next_power_of_2(P)) <= ALIGN_KERNEL_MAX_P
 
 
-def align_buffers(topk_ids: torch.Tensor, E: int, BM: int):
-    """``(flat ids, (sorted_pair, block_expert, block_start, block_count), P_PAD, E_PAD,
-    NB_MAX)``: the outputs and paddings of the single-program grouping (P <= 1024)."""
-    P = topk_ids.numel()
+def align_launch(P: int, E: int) -> tuple[int, int, int]:
+    """``(P_PAD, E_PAD, num_warps)`` of :func:`align_kernel` for P pairs over E experts."""
     P_PAD = max(16, triton.next_power_of_2(P))
-    if P_PAD > ALIGN_KERNEL_MAX_P:
-        raise ValueError(f"moe_align_triton handles up to {ALIGN_KERNEL_MAX_P} pairs, got {P}")
-    E_PAD = max(16, triton.next_power_of_2(E))
-    nbm = num_blocks_max(P, E, BM)
-    dev = topk_ids.device
-    bufs = (torch.empty(P, dtype=torch.int32, device=dev),
-            *(torch.empty(nbm, dtype=torch.int32, device=dev) for _ in range(3)))
-    return topk_ids.reshape(-1), bufs, P_PAD, E_PAD, nbm
+    return P_PAD, max(16, triton.next_power_of_2(E)), 4 if P_PAD <= 256 else 8
 
 
 def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int):
     """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P)."""
-    ids, bufs, P_PAD, E_PAD, nbm = align_buffers(topk_ids, E, BM)
-    sorted_pair, block_expert, block_start, block_count = bufs
+    ids = topk_ids.reshape(-1)
     P = ids.numel()
-    _moe_align_kernel[(1,)](ids, sorted_pair, block_expert, block_start, block_count, P, E, nbm,
-                            BM=BM, P_PAD=P_PAD, E_PAD=E_PAD, num_warps=4 if P_PAD <= 256 else 8)
+    if not align_kernel_fits(P):
+        raise ValueError(f"moe_align_triton handles up to {ALIGN_KERNEL_MAX_P} pairs, got {P}")
+    P_PAD, E_PAD, warps = align_launch(P, E)
+    nbm = num_blocks_max(P, E, BM)
+    dev = topk_ids.device
+    sorted_pair = torch.empty(P, dtype=torch.int32, device=dev)
+    block_expert, block_start, block_count = (torch.empty(nbm, dtype=torch.int32, device=dev)
+                                              for _ in range(3))
+    align_kernel[(1,)](ids, sorted_pair, block_expert, block_start, block_count, P, E, nbm,
+                       BM=BM, P_PAD=P_PAD, E_PAD=E_PAD, num_warps=warps)
     return sorted_pair, block_expert, block_start, block_count
 
 

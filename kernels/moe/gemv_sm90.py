@@ -1,0 +1,433 @@
+"""The MoE of one decode token in one launch, as GEMVs on the CUDA cores (Gluon): the sm_90
+fast path at T = 1 (hidden and intermediate sizes multiples of 2048, as Flash's are).
+
+The idea. At T = 1 an expert's GEMM is a GEMV: every weight is used once, by one token, so
+the tensor cores' tile (padded from one token to eight) buys nothing. A warp walks whole
+rows instead: lane l owns the same 64 elements of every row of its 2048-element K slice
+(32 packed bytes, two MXFP4 blocks), so it loads its share of x once, as 32 fp16x2
+registers, and a warp's load of a row reads 1 KB of contiguous bytes. Per 4-byte word
+(8 elements, :func:`block_dot_asm`):
+
+- the nibbles placed as e5m2 bytes (:mod:`.gluon_shared`), whose bytes ``prmt`` pairs into
+  the fp16 ``value * 2**-14`` of two elements at a time;
+- four ``fma.rn.f16x2`` with the lane's x pairs, summed in fp16 over the block's 32 elements
+  (x is scaled per block by a power of two so that ``|x| 2**sx`` lies in [2**13, 2**14): a
+  product stays below 6 and a block's sum below 192), then the block's sum to fp32, times
+  its scale (E8M0 ``2**(e - 127)``, or each 16-element half's E4M3) and the factor that
+  undoes x's; the row's 32 lane sums reduced across the warp.
+
+No block scale touches a weight, and MXFP4 needs no row maximum.
+
+The schedule (:func:`decode_kernel`): x's pairs and the zeroed counters come from a first
+small launch (:func:`x_pairs_kernel`), whose programmatic dependent launch is the decode.
+Its tiles are handed out by a ticket counter, every gate/up tile before any down tile, so a
+tile that waits only ever waits for tiles already running (no deadlock, whatever order the
+hardware starts programs in):
+
+- a gate/up tile: BN1 gate rows and their BN1 up rows of a pair's expert over a K slice; the
+  last slice to finish (an acq_rel counter) sums the slices in order, takes the SwiGLU and
+  writes the activations as the down tiles' x pairs, then releases the pair's count;
+- a down tile: BN2 rows of a pair's down projection, which asks for its first weight bytes
+  before it waits for the pair's activations; the last tile of a row range to finish sums
+  the pairs and slices in a fixed order into the output, so two calls give the same bits.
+
+Each warp's next rows are in flight while it works on these, loaded under the L2
+evict-first policy (weights are read once). Wins at T = 1: `dsv4lab bench moe`. The family's
+dispatch runs it on the H200 (sm_90) only, where it was measured. Explained in
+notebooks/04_mxfp4_moe_port.ipynb.
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from dsv4lab.kernels.gluon_compat import cta_barrier, gdc_launch_dependents, gdc_wait
+from dsv4lab.kernels.moe.gluon_shared import CVT8_PLACE, e4m3_bits, swiglu
+
+# the launch: gate/up and down rows a tile, rows a warp an iteration, warps a program
+BN1, BN2, RB, NUM_WARPS = 32, 32, 2, 4
+K_SLICE = 2048                 # elements of a row a tile takes (32 lanes x 64)
+MAX_TOKENS = 8
+
+# the fp16 pairs of the placed bytes (l: the low nibbles' e5m2 bytes, h: the high ones'):
+# d0 (bytes 0, 1 of l), d1 (2, 3 of l), d2, d3 (the same of h), i.e. the elements
+# (0, 2), (4, 6), (1, 3), (5, 7) of the word
+_PAIRS = """prmt.b32 d0, l, 0, 0x1404;
+prmt.b32 d1, l, 0, 0x3424;
+prmt.b32 d2, h, 0, 0x1404;
+prmt.b32 d3, h, 0, 0x3424;
+"""
+
+
+def block_dot_asm(nv: bool = False) -> str:
+    """PTX for one lane's 16-byte block: operands $0-$3 the fp32 results, $4-$7 the 4 words,
+    $8 + 4 i + j the x pair i of word j. MXFP4: the block's sum in $0 (one fp16x2 chain);
+    NVFP4: its two 16-element halves' sums (words 0-1, 2-3) in $0 and $1. The rest are 0."""
+    body = [".reg .b32 a0, a1;", ".reg .b16 q0, q1;", ".reg .f32 f0, f1, g0, g1;"]
+    for j in range(4):          # a scope a word: the placement declares its registers
+        body.append("{\n.reg .b32 d0, d1, d2, d3;")
+        body.append(CVT8_PLACE.replace("$4", f"${4 + j}"))
+        body.append(_PAIRS)
+        acc = f"a{(j // 2) if nv else 0}"
+        for i in range(4):
+            x = f"${8 + 4 * i + j}"
+            if i == 0 and (j == 0 or (nv and j == 2)):
+                body.append(f"mul.rn.f16x2 {acc}, d{i}, {x};")
+            else:
+                body.append(f"fma.rn.f16x2 {acc}, d{i}, {x}, {acc};")
+        body.append("}")
+
+    def to_f32(a, f, g):
+        return (f"mov.b32 {{q0, q1}}, {a};\ncvt.f32.f16 {f}, q0;\ncvt.f32.f16 {g}, q1;\n"
+                f"add.f32 {f}, {f}, {g};")
+    body.append(to_f32("a0", "f0", "g0"))
+    if nv:
+        body.append(to_f32("a1", "f1", "g1"))
+        body.append("mov.b32 $0, f0;\nmov.b32 $1, f1;")
+        body.append("mov.b32 $2, 0;\nmov.b32 $3, 0;")
+    else:
+        body.append("mov.b32 $0, f0;")
+        for k in range(1, 4):
+            body.append(f"mov.b32 ${k}, 0;")
+    return "{\n" + "\n".join(body) + "\n}"
+
+
+_SLEEP_ASM = gl.constexpr("nanosleep.u32 500; mov.u32 $0, $1;")   # a waiting tile's poll
+
+
+@triton.constexpr_function
+def _layout(RB, per, W):
+    """[W RB rows, 32 per columns]: warp w rows w RB ...; lane l columns l per ... (per each)."""
+    return gl.BlockedLayout([RB, per], [1, 32], [W, 1], [1, 0])
+
+
+@triton.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@triton.constexpr_function
+def _nsc(IS_NV):
+    """Scale bytes a lane a row: its 64 elements hold 2 MXFP4 blocks, 4 NVFP4 ones."""
+    return 4 if IS_NV else 2
+
+
+@gluon.jit
+def _scale32(sb, IS_NV: gl.constexpr):
+    """Scale bytes -> fp32 multipliers of a block's sum (MXFP4: ``2**(s - 127)``, exact but
+    for s = 0, 2**-127, which flushes to 0; NVFP4: the E4M3 value, exactly)."""
+    if IS_NV:
+        return e4m3_bits(sb).to(gl.float32) * 256.0
+    else:
+        return (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
+    """Local row r of iteration it -> its row of the matrix (from the first): the tile's rows
+    run in blocks of HALF, JUMP apart (a gate/up tile: its gate rows, then the up rows)."""
+    q = it * RR + r                     # >= 0, HALF a power of two: masks and shifts
+    return (q & (HALF - 1)) + (q >> _log2(HALF)) * JUMP
+
+
+@gluon.jit
+def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
+                    RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
+    """Iteration it's weight words [W RB, 256] and scale bytes [W RB, 32 NSC] (each lane its
+    32 bytes of a row, two 16-byte loads, and their scales) under the L2 evict-first policy.
+    ``w_base``: int32 pointer to the first row's slice, ``s_base``: its scales;
+    ``stride_w4``: words a row."""
+    RR: gl.constexpr = num_warps * RB
+    WL: gl.constexpr = _layout(RB, 8, num_warps)
+    SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps)
+    cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
+    cs = gl.arange(0, 32 * _nsc(IS_NV), layout=gl.SliceLayout(0, SL))
+    rw = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, WL)), RR, HALF, JUMP)
+    rs = _row_index(it, gl.arange(0, RR, layout=gl.SliceLayout(1, SL)), RR, HALF, JUMP)
+    p = gl.load(w_base + cw[None, :] + (rw * stride_w4)[:, None], eviction_policy="evict_first")
+    s = gl.load(s_base + cs[None, :] + (rs * stride_sn)[:, None], eviction_policy="evict_first")
+    return p, s
+
+
+@gluon.jit
+def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_base, out_base,
+              mult, pa, sa, R: gl.constexpr, HALF: gl.constexpr, RB: gl.constexpr,
+              IS_NV: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """R rows (see :func:`_row_index`) of a 2048-element K slice times x's slice, times
+    ``mult``, into out_base[row] (fp32). x's slice: the pair words ``xq_base + i plane + w``
+    (i < 4, w < 256; :func:`block_dot_asm`'s order) and the factors ``cx_base[b]`` (b < 64)
+    of :func:`_store_pairs`. ``pa, sa``: iteration 0's loads (issued by the caller). Each
+    iteration a warp takes RB rows; the next iteration's bytes are in flight meanwhile."""
+    W: gl.constexpr = num_warps
+    RR: gl.constexpr = W * RB
+    NSC: gl.constexpr = _nsc(IS_NV)
+    WL: gl.constexpr = _layout(RB, 8, W)
+    SL: gl.constexpr = _layout(RB, NSC, W)
+    cw = gl.arange(0, 256, layout=gl.SliceLayout(0, WL))
+    cs = gl.arange(0, 32 * NSC, layout=gl.SliceLayout(0, SL))
+    rs = gl.arange(0, RR, layout=gl.SliceLayout(1, SL))
+    x0 = gl.expand_dims(gl.load(xq_base + cw), 0)
+    x1 = gl.expand_dims(gl.load(xq_base + plane + cw), 0)
+    x2 = gl.expand_dims(gl.load(xq_base + 2 * plane + cw), 0)
+    x3 = gl.expand_dims(gl.load(xq_base + 3 * plane + cw), 0)
+    cx = gl.expand_dims(gl.load(cx_base + cs // (NSC // 2)), 0)
+    for it in range(R // RR):
+        pn, sn = _load_iteration(w_base, s_base, gl.minimum(it + 1, R // RR - 1), stride_w4,
+                                 stride_sn, JUMP, HALF, RB, IS_NV, W)
+        o = gl.inline_asm_elementwise(ASM, "=f,=f,=f,=f" + ",r" * 20, [pa, x0, x1, x2, x3],
+                                      dtype=gl.float32, is_pure=True, pack=4)
+        o = gl.reshape(o, [RR, 64, 2, 2])
+        if IS_NV:       # results 0 and 1 of each block: its two 16-element halves
+            o, _ = gl.split(gl.permute(o, [0, 1, 3, 2]))
+            o = gl.reshape(o, [RR, 128])
+        else:           # result 0: the block
+            o, _ = gl.split(o)
+            o, _ = gl.split(o)
+        o = gl.convert_layout(o, SL, assert_trivial=True)
+        tot = gl.sum(o * _scale32(sa, IS_NV) * cx, axis=1) * mult
+        gl.store(out_base + _row_index(it, rs, RR, HALF, JUMP), tot)
+        pa, sa = pn, sn
+
+
+@triton.constexpr_function
+def _block_layout(W):
+    """[blocks, 32]: a thread holds a 32-element block (its largest |value| in-thread)."""
+    return gl.BlockedLayout([1, 32], [32, 1], [W, 1], [1, 0])
+
+
+@gluon.jit
+def _block_exponent(amax):
+    """sx of a block whose largest |value| is amax: ``amax * 2**sx`` in [2**13, 2**14) (0 for
+    an all-zero block; within +-100, so that 2**sx and 2**(14 - sx) stay normal fp32)."""
+    e = (amax.to(gl.int32, bitcast=True) >> 23) & 255
+    return gl.minimum(gl.maximum(gl.where(amax > 0, 140 - e, 0), -100), 100)
+
+
+@gluon.jit
+def _store_pairs(q16_ptr, c_ptr, n, v, K):
+    """Blocks v [blocks, 32] (fp32; elements n of a K-vector) -> fp16 ``v * 2**sx`` at their
+    slots of the pair words [4, K / 8] (q16_ptr: as fp16) and each block's ``2**(14 - sx)``
+    at c_ptr[n // 32]: the x operand of :func:`_rows_dot`."""
+    sx = _block_exponent(gl.max(gl.abs(v), axis=1))
+    xs = (v * ((sx + 127) << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float16)
+    r = n % 8
+    gl.store(q16_ptr + ((r % 2) * 2 + r // 4) * (K // 4) + (n // 8) * 2 + (r // 2) % 2, xs)
+    first = gl.max(n, axis=1) // 32        # n's blocks are whole: any element names it
+    gl.store(c_ptr + first, ((141 - sx) << 23).to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x,
+                   num_warps: gl.constexpr):
+    """Token t's x (program (t, pb): 1024 num_warps elements) -> :func:`_store_pairs`'s words
+    and factors; program (0, 0) also zeroes ``n_zero`` int32 at ``zero_ptr`` (the decode's
+    counters). The decode is this launch's programmatic dependent launch."""
+    BL: gl.constexpr = _block_layout(num_warps)
+    ONE: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    gdc_launch_dependents(num_warps)
+    t = gl.program_id(0)
+    pb = gl.program_id(1)
+    if (t == 0) & (pb == 0):
+        z = gl.arange(0, 32 * num_warps, layout=ONE)
+        for z0 in range(0, n_zero, 32 * num_warps):
+            gl.store(zero_ptr + z0 + z, 0, mask=z0 + z < n_zero)
+    BH: gl.constexpr = 1024 * num_warps
+    n = (pb * BH + gl.arange(0, BH // 32, layout=gl.SliceLayout(1, BL))[:, None] * 32
+         + gl.arange(0, 32, layout=gl.SliceLayout(0, BL))[None, :])
+    v = gl.load(x_ptr + t.to(gl.int64) * stride_x + n).to(gl.float32)
+    _store_pairs(xq_ptr.to(gl.pointer_type(gl.float16)) + t.to(gl.int64) * H, xc_ptr + t * (H // 32),
+                 n, v, H)
+
+
+@gluon.jit
+def _ticket(ctr_ptr, num_warps: gl.constexpr):
+    """Wait for the launch this one depends on (x's pairs, the zeroed counters), then take the
+    next ticket: the order programs start in, so tiles handed out earlier are running."""
+    gdc_wait(num_warps)
+    return gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _wait_count(ptr, target):
+    """Spin until the counter at ptr reaches target (acquire: what its writers stored before
+    their release is then visible), sleeping between polls so that pollers leave the issue
+    slots to working tiles."""
+    seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = gl.inline_asm_elementwise(_SLEEP_ASM, "=r,r", [seen], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _sum_pairs(total, ypair_ptr, ids_ptr, out_ptr, offs_h, m, P, T, TOPK, SPLIT2, stride_y,
+               stride_out):
+    """out[token m, rows offs_h] = ``total`` (zeros [rows, tokens]) plus the rows of ypair
+    [SPLIT2 slices x P pairs, stride_y] of every live pair of token m, pairs and slices in
+    order: the same sum every call."""
+    for q in range(P):
+        live = (m == q // TOPK)[None, :] & (gl.load(ids_ptr + q) >= 0)
+        for q2 in range(SPLIT2):
+            total += gl.load(ypair_ptr + (q2 * P + q) * stride_y + offs_h[:, None]
+                             + m[None, :] * 0, mask=live, other=0.0, cache_modifier=".cg")
+    gl.store(out_ptr + m[None, :].to(gl.int64) * stride_out + offs_h[:, None],
+             total.to(out_ptr.dtype.element_ty), mask=(m < T)[None, :])
+
+
+@gluon.jit
+def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
+                  part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
+                  stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
+                  HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, RB: gl.constexpr,
+                  ASM: gl.constexpr, num_warps: gl.constexpr):
+    """Gate/up tile ``tile``: pair p's BN1 gate rows and their BN1 up rows (row tile pn) over
+    K slice sp, into part[sp, p]; the row tile's last slice sums the slices, takes the SwiGLU
+    and writes those BN1 activations as the down tiles' x (:func:`_store_pairs`), then
+    releases the pair's count."""
+    S1 = H // 2048
+    g = tile // S1
+    sp = tile % S1
+    p = g // n_tiles1
+    pn = g % n_tiles1
+    e = gl.load(ids_ptr + p)
+    if e >= 0:
+        t = p // TOPK
+        row0 = pn * BN1
+        w_base = (w13_ptr + e.to(gl.int64) * stride_w13e + row0.to(gl.int64) * stride_w13n
+                  ).to(gl.pointer_type(gl.int32)) + sp * 256
+        s_base = s13_ptr + e.to(gl.int64) * stride_s13e + row0.to(gl.int64) * stride_s13n + sp * 32 * _nsc(IS_NV)
+        pa, sa = _load_iteration(w_base, s_base, 0, stride_w13n // 4, stride_s13n, I, BN1, RB,
+                                 IS_NV, num_warps)
+        mult = 1.0
+        if IS_NV:
+            mult = gl.load(g13_ptr + e)
+        _rows_dot(w_base, s_base, stride_w13n // 4, stride_s13n, I,
+                  xq_ptr + t.to(gl.int64) * (H // 2) + sp * 256, H // 8,
+                  xc_ptr + t * (H // 32) + sp * 64, part_ptr + (sp * P + p).to(gl.int64) * (2 * I) + row0,
+                  mult, pa, sa, 2 * BN1, BN1, RB, IS_NV, ASM, num_warps)
+    cta_barrier()
+    last = gl.atomic_add(ctr_ptr + 1 + P + n_tiles2 + g, 1, sem="acq_rel", scope="gpu") == S1 - 1
+    if last & (e >= 0):     # the row tile's last slice: sum in slice order, the SwiGLU
+        BL: gl.constexpr = _layout(1, 1, num_warps)    # an element a thread: few registers
+        n = (pn * BN1 + gl.arange(0, BN1 // 32, layout=gl.SliceLayout(1, BL))[:, None] * 32
+             + gl.arange(0, 32, layout=gl.SliceLayout(0, BL))[None, :])
+        gate = gl.zeros([BN1 // 32, 32], gl.float32, layout=BL)
+        up = gl.zeros([BN1 // 32, 32], gl.float32, layout=BL)
+        for q in range(S1):
+            row = part_ptr + (q * P + p).to(gl.int64) * (2 * I)
+            gate += gl.load(row + n, cache_modifier=".cg")
+            up += gl.load(row + I + n, cache_modifier=".cg")
+        _store_pairs(aq_ptr.to(gl.pointer_type(gl.float16)) + p.to(gl.int64) * I,
+                     ac_ptr + p * (I // 32), n, swiglu(gate, up, swiglu_limit, HAS_LIMIT), I)
+    if last:
+        cta_barrier()                         # every thread's stores, then one release
+        gl.atomic_add(ctr_ptr + 1 + p, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, ypair_ptr,
+               out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
+               stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
+               RB: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
+    """Down tile d: pair p's activations (K slice sp) times BN2 down rows (row tile pn), times
+    its routing weight, into ypair[sp, p]; the last tile of those rows sums ypair over the
+    pairs and slices, in order, into out. Its first weight bytes are asked for before it
+    waits for the activations."""
+    S2 = I // 2048
+    sp = d % S2
+    p = d // S2 // n_tiles2
+    pn = d // S2 % n_tiles2
+    e = gl.load(ids_ptr + p)
+    if e >= 0:
+        row0 = pn * BN2
+        w_base = (w2_ptr + e.to(gl.int64) * stride_w2e + row0.to(gl.int64) * stride_w2n
+                  ).to(gl.pointer_type(gl.int32)) + sp * 256
+        s_base = s2_ptr + e.to(gl.int64) * stride_s2e + row0.to(gl.int64) * stride_s2n + sp * 32 * _nsc(IS_NV)
+        pa, sa = _load_iteration(w_base, s_base, 0, stride_w2n // 4, stride_s2n, 0, BN2, RB,
+                                 IS_NV, num_warps)
+        mult = gl.load(topk_w_ptr + p).to(gl.float32)
+        if IS_NV:
+            mult = mult * gl.load(g2_ptr + e)
+        _wait_count(ctr_ptr + 1 + p, n_tiles1)
+        _rows_dot(w_base, s_base, stride_w2n // 4, stride_s2n, 0,
+                  aq_ptr + p.to(gl.int64) * (I // 2) + sp * 256, I // 8, ac_ptr + p * (I // 32) + sp * 64,
+                  ypair_ptr + (sp * P + p).to(gl.int64) * H + row0, mult, pa, sa, BN2,
+                  BN2, RB, IS_NV, ASM, num_warps)
+    cta_barrier()
+    done = gl.atomic_add(ctr_ptr + 1 + P + pn, 1, sem="acq_rel", scope="gpu")
+    if done == P * S2 - 1:                # the last of this row tile's down tiles
+        OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
+        offs_h = pn * BN2 + gl.arange(0, BN2, layout=gl.SliceLayout(1, OL))
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))
+        _sum_pairs(gl.zeros([BN2, 8], gl.float32, layout=OL), ypair_ptr, ids_ptr, out_ptr, offs_h,
+                   m, P, T, TOPK, S2, H, stride_out)
+
+
+@gluon.jit
+def decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_ptr, ids_ptr,
+                  topk_w_ptr, aq_ptr, ac_ptr, part_ptr, ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK,
+                  I, H, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_w2e,
+                  stride_w2n, stride_s2e, stride_s2n, stride_out, swiglu_limit,
+                  IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
+                  BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
+    GEMV. Counters (zeroed by :func:`x_pairs_kernel`): [0] the ticket; [1 + p] pair p's
+    finished gate/up row tiles; [1 + P + n] the finished down tiles of hidden rows n BN2 ...;
+    [1 + P + H / BN2 + g] the finished K slices of gate/up row tile g. K slices are 2048
+    elements (H / 2048 for gate/up, I / 2048 for down)."""
+    n_tiles1 = I // BN1
+    n_tiles2 = H // BN2
+    n_gu = P * n_tiles1 * (H // 2048)
+    tile = _ticket(ctr_ptr, num_warps)
+    if tile < n_gu:
+        _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_ptr, ac_ptr,
+                      part_ptr, ctr_ptr, P, TOPK, I, H, n_tiles1, n_tiles2, stride_w13e,
+                      stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV, HAS_LIMIT,
+                      BN1, RB, ASM, num_warps)
+    else:
+        _down_tile(tile - n_gu, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr,
+                   ypair_ptr, out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e,
+                   stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, num_warps)
+
+
+def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
+                 w13_global=None, w2_global=None, swiglu_limit=None):
+    """The FP4 MoE of T <= 8 tokens (arguments as ``dsv4lab.ops.fused_moe``, already checked;
+    hidden and intermediate sizes multiples of 2048, weights and scales 16-byte aligned) in
+    two launches: x's pairs and the zeroed counters, then :func:`decode_kernel`. No host sync."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    P = topk_ids.numel()
+    if H % K_SLICE or I % K_SLICE or not 1 <= T <= MAX_TOKENS:
+        raise ValueError(f"gemv_sm90: hidden and intermediate sizes must be multiples of {K_SLICE} "
+                         f"and T in 1..{MAX_TOKENS}; got hidden {H}, intermediate {I}, T {T}")
+    dev = x.device
+    is_nv = fmt == "nvfp4"
+    out = torch.empty(T, H, dtype=x.dtype, device=dev)
+    if P == 0:
+        return out.zero_()
+    w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    xq = torch.empty(T, 4, H // 8, dtype=torch.int32, device=dev)
+    xc = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
+    aq = torch.empty(P, 4, I // 8, dtype=torch.int32, device=dev)
+    ac = torch.empty(P, I // 32, dtype=torch.float32, device=dev)
+    part = torch.empty(H // K_SLICE * P, 2 * I, dtype=torch.float32, device=dev)
+    ypair = torch.empty(I // K_SLICE * P, H, dtype=torch.float32, device=dev)
+    counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
+    x = x.contiguous()
+    x_pairs_kernel[(T, H // 1024)](x, xq, xc, counters, counters.numel(), H, x.stride(0),
+                                   num_warps=1)
+    g13 = w13_global.contiguous() if is_nv else xc
+    g2 = w2_global.contiguous() if is_nv else xc
+    grid = (P * (I // BN1) * (H // K_SLICE) + P * (H // BN2) * (I // K_SLICE),)
+    decode_kernel[grid](
+        xq, xc, w13, w13_scale, g13, w2, w2_scale, g2, topk_ids.contiguous(),
+        topk_weights.reshape(-1).contiguous(), aq, ac, part, ypair, out, counters, P, T,
+        topk_ids.shape[1], I, H, w13.stride(0), w13.stride(1), w13_scale.stride(0),
+        w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
+        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB, ASM=block_dot_asm(is_nv),
+        num_warps=NUM_WARPS, launch_pdl=True)
+    return out
