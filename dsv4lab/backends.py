@@ -12,15 +12,23 @@ or raises :class:`BackendUnavailable` saying why, before any kernel is launched:
 The campaign's crash came from selection that bypassed this kind of check: the MXFP4
 draft MoE went to an SM100-only kernel on an sm_120 GPU. Explained in
 notebooks/04_mxfp4_moe_port.ipynb.
+
+Below "auto", each kernel family has its own dispatch table (``TABLES`` of
+``dsv4lab.kernels.<family>``: which kernel runs on which capability and shape);
+:func:`capability_table` joins the two, per capability, for ``dsv4lab env`` and
+``dsv4lab targets``.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 
 from dsv4lab import runtime
+from dsv4lab.config import EXPERT_FORMATS, QuantConfigError, resolve_formats
+from dsv4lab.kernels.device import CAPABILITIES, NOMINAL, DeviceProps, describe
 
 
 class BackendUnavailable(RuntimeError):
@@ -181,68 +189,136 @@ def dispatch_table(op: str, targets: Iterable[Target], *, fmt: str | None = None
     return rows
 
 
-# ---- expert quantisation and MoE backend resolution (main model and MTP draft alike) ----
+# ---- per capability: "auto" and the family's kernel ------------------------------------
+
+# the kernel families' dispatch modules, each with TABLES = {op: (Route, ...)}
+FAMILY_MODULES = ("dsv4lab.kernels.attention.dispatch", "dsv4lab.kernels.indexer",
+                  "dsv4lab.kernels.moe.dispatch", "dsv4lab.kernels.mhc", "dsv4lab.kernels.linear")
+FORMAT_OF = {"fused_moe": "mxfp4"}         # the format "auto" is asked about where it matters
+
+
+def family_tables(modules: Iterable[str] = FAMILY_MODULES) -> tuple[dict, dict]:
+    """``({op: routes}, {module: why it has none})`` over the families' dispatch modules; a
+    family without ``TABLES`` (or not importable) is reported, not raised."""
+    tables, missing = {}, {}
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:
+            missing[name] = f"not importable ({e})"
+            continue
+        except Exception as e:  # noqa: BLE001  (a broken family is reported; its own tests fail)
+            missing[name] = f"import failed ({type(e).__name__}: {e})"
+            continue
+        found = getattr(mod, "TABLES", None)
+        if not isinstance(found, dict):
+            missing[name] = "no TABLES yet"
+            continue
+        tables.update(found)
+    return tables, missing
+
+
+def _default_route(routes, props) -> int | None:
+    """Index of the route that runs at the family's default shape (its ``applies`` called
+    without a shape), or None when a route before it cannot tell without one."""
+    for i, r in enumerate(routes):
+        try:
+            ok = r.applies(props)
+        except Exception:            # noqa: BLE001  (this route needs a shape to decide)
+            return None
+        if ok:
+            return i
+    return None
+
+
+def capability_table(capabilities: Iterable[tuple[int, int]] = CAPABILITIES, *,
+                     tables: dict | None = None, op_names: Iterable[str] | None = None) -> list[dict]:
+    """For each op and capability: the backend "auto" resolves to on ``Target("cuda", cap)``
+    and, for a Triton backend, the family's routes that run there, in the table's order
+    (the first that applies to a call's shape wins); ``default`` marks the one that runs at
+    the family's default shape.
+
+    Rows: ``{"op", "capability", "backend", "kernels": [{"kernel", "gpus", "when", "why",
+    "default"}], "note"}``. ``tables`` defaults to :func:`family_tables`; a table named
+    ``<op>_<part>`` takes registry op ``<op>``'s backend, other ops the registry does not
+    hold are listed with backend "-". Needs the ops registered (``import dsv4lab.ops``)."""
+    if tables is None:
+        tables = family_tables()[0]
+    reg_ops = list(op_names) if op_names is not None else ops()
+    # a table named "<op>_<part>" (mhc_pre, mhc_post) holds a part of registry op <op>
+    parent = {t: next((o for o in reg_ops if t.startswith(o + "_")), None) for t in tables}
+    rows = []
+    for op in reg_ops + [t for t in tables if t not in reg_ops]:
+        reg_op = op if op in reg_ops else parent[op]
+        parts = [t for t in tables if parent.get(t) == op and t not in reg_ops]
+        for cap in map(tuple, capabilities):
+            props = DeviceProps.nominal(cap) if cap in NOMINAL else DeviceProps(cap, 0, 0)
+            row = {"op": op, "capability": runtime.capability_str(cap), "backend": "-",
+                   "kernels": [], "note": ""}
+            rows.append(row)
+            if reg_op in _REGISTRY:
+                try:
+                    b = resolve(reg_op, "auto", fmt=FORMAT_OF.get(reg_op), target=Target("cuda", cap))
+                except BackendUnavailable as e:
+                    row.update(backend="(none)", note=str(e))
+                    continue
+                row["backend"] = b.name
+                if b.kind != "triton":
+                    row["note"] = b.description or b.kind
+                    continue
+            routes = [r for r in tables.get(op, ()) if r.runs_on(props)]
+            if op not in tables:
+                row["note"] = f"kernels under {', '.join(parts)}" if parts else "no dispatch table yet"
+                continue
+            chosen = _default_route(routes, props)
+            for i, (r, d) in enumerate(zip(routes, describe(tuple(routes)))):
+                row["kernels"].append(dict(d, default=i == chosen))
+    return rows
+
+
+def format_capability_table(rows: list[dict]) -> str:
+    """:func:`capability_table` as text: per op, one line per capability (``*``: the kernel
+    at the default shape), then each kernel's when and why once."""
+    lines = []
+    by_op: dict[str, list[dict]] = {}
+    for r in rows:
+        by_op.setdefault(r["op"], []).append(r)
+    for op, op_rows in by_op.items():
+        lines.append(op)
+        legend = {}
+        for r in op_rows:
+            if r["kernels"]:
+                what = " | ".join(k["kernel"] + ("*" if k["default"] else "") for k in r["kernels"])
+                for k in r["kernels"]:
+                    legend.setdefault(k["kernel"], k)
+            else:
+                what = r["note"] or "-"
+            lines.append(f"  {r['capability']:7s} {r['backend']:10s} {what}")
+        for name, k in legend.items():
+            lines.append(f"    {name} [{k['gpus']}]: {k['when']}; {k['why']}")
+    return "\n".join(lines)
+
+
+# ---- expert formats and MoE backend resolution (main model and MTP draft alike) ----------
 # The campaign's bug: the draft (MTP) layer's MXFP4 experts were auto-detected from the
 # checkpoint's metadata, so the code path that honoured --speculative-moe-runner-backend
 # (only taken when the quantisation came from a flag) was skipped, and the MXFP4 method
 # picked flashinfer's SM100-only kernel by itself. Here the format, wherever it comes
-# from, and the backend, whichever flag names it, go through one function each.
+# from, goes through :func:`dsv4lab.config.resolve_formats`, and the backend, whichever
+# flag names it, through :func:`resolve_moe_backend`.
 
-EXPERT_FORMATS = ("mxfp4", "nvfp4", "bf16")
-
-
-class QuantConfigError(ValueError):
-    """Checkpoint metadata and a user flag disagree about the expert format (or one is unknown)."""
+_LAYER_OF_ROLE = {"main": "main", "draft": "mtp", "mtp": "mtp"}
 
 
-def _normalise_format(value, where: str) -> str | None:
-    if value is None:
-        return None
-    v = str(value).strip().lower()
-    if v in ("", "auto", "none"):
-        return None
-    if v in ("mxfp4", "mx_fp4", "fp4_e2m1_e8m0"):
-        return "mxfp4"
-    if v in ("nvfp4", "modelopt_fp4", "fp4_e2m1_e4m3", "modelopt_nvfp4"):
-        return "nvfp4"
-    if v in ("bf16", "bfloat16", "unquantized"):
-        return "bf16"
-    raise QuantConfigError(f"{where}: unknown expert format {value!r} (expected mxfp4, nvfp4 or bf16)")
-
-
-def format_from_metadata(metadata: dict | None) -> str | None:
-    """The expert format a checkpoint declares: a ``quantization_config``-like dict (or a
-    whole config.json dict holding one); None when it declares nothing."""
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict):
-        raise QuantConfigError(f"checkpoint metadata must be a dict, got {type(metadata).__name__}")
-    qc = metadata.get("quantization_config", metadata)
-    if not isinstance(qc, dict):
-        raise QuantConfigError("quantization_config must be a dict")
-    for key in ("expert_format", "quant_method", "fmt"):
-        if qc.get(key) is not None:
-            return _normalise_format(qc[key], f"checkpoint quantization_config[{key!r}]")
-    return None
-
-
-def resolve_expert_format(metadata: dict | None = None, flag: str | None = None) -> tuple[str, str]:
-    """``(format, source)`` of the routed experts from checkpoint metadata and/or a flag.
-
-    Both sources go through this one function; when both are given they must agree
-    (:class:`QuantConfigError` otherwise). Neither: bf16 (unquantised experts).
-    """
-    meta = format_from_metadata(metadata)
-    user = _normalise_format(flag, "--quantization flag")
-    if meta and user and meta != user:
-        raise QuantConfigError(
-            f"expert format conflict: the checkpoint's quantization_config says {meta!r} but the "
-            f"flag says {user!r}; drop the flag or use a checkpoint quantised as {user!r}")
-    if meta:
-        return meta, "checkpoint metadata" + (" (flag agrees)" if user else "")
-    if user:
-        return user, "flag"
-    return "bf16", "default (no quantization_config, no flag)"
+def resolve_expert_format(metadata: dict | None = None, flag: str | None = None, *,
+                          role: str = "main") -> tuple[str, str]:
+    """``(format, source)`` of the routed experts of a ``role`` layer ("main", or
+    "draft"/"mtp"): :func:`dsv4lab.config.resolve_formats`'s answer (metadata and a flag
+    must agree, else :class:`QuantConfigError`; neither: bf16)."""
+    if role not in _LAYER_OF_ROLE:
+        raise ValueError(f"role must be 'main', 'draft' or 'mtp', got {role!r}")
+    f = resolve_formats(metadata, layer=_LAYER_OF_ROLE[role], experts=flag)
+    return f.experts, f.source
 
 
 @dataclass(frozen=True)
@@ -267,14 +343,15 @@ def resolve_moe_backend(role: str = "main", *, metadata: dict | None = None,
 
     ``role``: "main", or "draft"/"mtp" (the speculative draft layer). The draft uses
     ``speculative_moe_runner_backend`` when given, else ``moe_runner_backend``; the
-    format comes from :func:`resolve_expert_format` in every case, so a format found in
-    metadata never bypasses the backend flags. An explicit backend that cannot run on
-    ``target`` raises :class:`BackendUnavailable` here, at resolution, saying why.
-    Needs the op's backends registered (import ``dsv4lab.ops`` first).
+    format comes from :func:`resolve_expert_format` in every case (``metadata``: a
+    config.json, its quantization_config, or ``{"expert_format": ...}``; ``quantization``:
+    the flag), so a format found in metadata never bypasses the backend flags. An explicit
+    backend that cannot run on ``target`` raises :class:`BackendUnavailable` here, at
+    resolution, saying why. Needs the op's backends registered (import ``dsv4lab.ops`` first).
     """
-    if role not in ("main", "draft", "mtp"):
+    if role not in _LAYER_OF_ROLE:
         raise ValueError(f"role must be 'main', 'draft' or 'mtp', got {role!r}")
-    fmt, fmt_source = resolve_expert_format(metadata, quantization)
+    fmt, fmt_source = resolve_expert_format(metadata, quantization, role=role)
     if fmt == "bf16":
         raise BackendUnavailable(
             f"{op}: the {role} layer's experts are bf16 (unquantised); fused_moe takes mxfp4 or nvfp4")
@@ -288,3 +365,8 @@ def resolve_moe_backend(role: str = "main", *, metadata: dict | None = None,
     except BackendUnavailable as e:
         raise BackendUnavailable(f"{role} layer ({fmt} experts from {fmt_source}), {source}: {e}") from None
     return MoEPlan(role, fmt, fmt_source, chosen, source)
+
+
+__all__ = ["Backend", "BackendUnavailable", "EXPERT_FORMATS", "MoEPlan", "QuantConfigError", "Target",
+           "backends", "capability_table", "dispatch_table", "family_tables", "format_capability_table",
+           "ops", "register", "resolve", "resolve_expert_format", "resolve_moe_backend"]

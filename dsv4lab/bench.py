@@ -1,27 +1,31 @@
 """Timing, and the registry of named benchmarks behind ``dsv4lab bench NAME``.
 
 On a GPU, :func:`time_fn` uses ``triton.testing.do_bench`` (CUDA events, warm-up,
-median); :func:`time_graph` captures the call in a CUDA graph first, so launch gaps stay
-out of decode-sized figures. On the CPU it reports the median wall time and labels it
-"interpreter_wall": those numbers say how slow the interpreter is, nothing about a GPU.
+median): the eager call, host included, as a notebook calls it. :func:`time_graph`
+captures the call in a CUDA graph first and times the replay, as a captured decode step
+runs it. Benchmarks label their rows ``mode="eager"`` or ``mode="graph"``. On the CPU both
+report the median wall time and label it "interpreter_wall": those numbers say how slow
+the interpreter is, nothing about a GPU.
 
 The L2 state before each timed call (the row's ``l2``) is part of the method:
 
 - ``"dirty"`` (the default, and every row recorded before the field existed):
   ``do_bench``'s own flush, which zero-fills a 256 MB buffer. The L2 ends full of dirty
   lines, so the timed call's first misses write them back to DRAM: up to an L2's worth
-  of traffic the call did not cause (``dsv4lab bench l2`` measures about 9 us on the H200).
+  of traffic the call did not cause (``dsv4lab bench l2`` measures it).
 - ``"clean"``: the same loop, but the flush *reads* a 256 MB buffer, so the call starts
   with its data out of the L2 and nothing to write back.
 
-``DSV4LAB_L2=clean`` (or ``l2="clean"``) selects the second. The issues' targets were set
-with the first, and :mod:`dsv4lab.targets` judges them on ``"dirty"`` rows only.
+``DSV4LAB_L2=clean`` (or ``l2="clean"``) selects the second. The campaign's goals were
+set with the first, and :mod:`dsv4lab.targets` judges them on ``"dirty"`` rows only.
 
 A benchmark is a function ``fn(smoke: bool) -> list[dict]`` registered with
 :func:`benchmark`; each row holds the shape parameters, the backend, ``ms``, ``timing``,
-and where it applies ``bytes``, ``flops``, ``roofline_ms`` and ``roofline_fraction``.
-:func:`run` records the rows with :mod:`dsv4lab.results`. The definitions live in
-``dsv4lab.benchmarks`` (imported on demand).
+``mode``, and where it applies ``bytes``, ``flops``, ``roofline_ms`` and
+``roofline_fraction``. :func:`run` returns the rows with their provenance (GPU, versions,
+commit, date: :func:`dsv4lab.results.provenance`), recorded or not, and records them with
+:mod:`dsv4lab.results` when asked. The definitions live in ``dsv4lab.benchmarks``, which
+registers them when imported (``dsv4lab.benchmarks.run`` imports and runs).
 
 Explained in notebooks/00_tour.ipynb.
 """
@@ -133,11 +137,15 @@ def time_graph(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float
 
 def with_roofline(row: dict, *, bytes_moved: float, flops: float, dtype: str = "bf16",
                   device: str | None = None) -> dict:
-    """Add bytes, flops, roofline_ms and roofline_fraction (vs the current device's roof)."""
+    """Add bytes, flops, roofline_ms and roofline_fraction (vs the current device's roof;
+    ``roofline_note`` when the device is not in :data:`dsv4lab.roofline.DEVICES` and the
+    H200's figures stand in)."""
     spec = roofline.device_spec(device)
     roof_ms = roofline.roofline_time(bytes_moved, flops, spec, dtype=dtype) * 1e3
     row.update(bytes=float(bytes_moved), flops=float(flops), roofline_device=spec.name,
                roofline_ms=roof_ms)
+    if spec.note:
+        row["roofline_note"] = spec.note
     if row.get("ms"):
         row["roofline_fraction"] = roof_ms / row["ms"]
     return row
@@ -151,35 +159,54 @@ class Benchmark:
 
 
 _BENCHMARKS: dict[str, Benchmark] = {}
+_UNAVAILABLE: dict[str, str] = {}       # name -> why its definition could not be imported
 
 
 def benchmark(name: str, description: str = "") -> Callable:
     """Decorator registering ``fn(smoke: bool) -> rows`` as ``dsv4lab bench NAME``."""
     def deco(fn):
         _BENCHMARKS[name] = Benchmark(name, fn, description or (fn.__doc__ or "").strip().split("\n")[0])
+        _UNAVAILABLE.pop(name, None)
         return fn
     return deco
 
 
+def unavailable(name: str, reason: str) -> None:
+    """Note that benchmark ``name``'s definition failed to import (``dsv4lab.benchmarks``
+    does, per module), so that asking for it says why instead of "unknown"."""
+    _UNAVAILABLE[name] = reason
+
+
 def registered() -> dict[str, Benchmark]:
-    import dsv4lab.benchmarks  # noqa: F401  (imports every definition module)
+    """The benchmarks registered so far (``import dsv4lab.benchmarks`` registers them all)."""
     return dict(_BENCHMARKS)
 
 
-def run(name: str, *, smoke: bool = False, record: bool | None = None) -> list[dict]:
-    """Run benchmark ``name``; append its rows to data/results/<name>.jsonl when ``record``.
+def unavailable_reasons() -> dict[str, str]:
+    """{name: reason} of the benchmarks whose definitions could not be imported."""
+    return dict(_UNAVAILABLE)
+
+
+def run(name: str, *, smoke: bool = False, record: bool | None = None, **options) -> list[dict]:
+    """Run benchmark ``name``; return its rows, each with this run's provenance
+    (:data:`dsv4lab.results.PROVENANCE_KEYS`, ``bench`` and ``smoke``), and append them to
+    data/results/<name>.jsonl when ``record``. ``options`` go to the benchmark's function
+    (e.g. ``headline=True``: only the headline cases, where a benchmark offers that).
 
     ``record`` defaults to ``not smoke``: smoke rows (tiny shapes, often the interpreter)
     say nothing a reader should plot, so they are only kept when asked for.
     """
     if record is None:
         record = not smoke
-    table = registered()
-    if name not in table:
-        raise KeyError(f"unknown benchmark {name!r}; known: {', '.join(sorted(table))}")
-    rows = table[name].fn(smoke)
+    if name not in _BENCHMARKS:
+        if name in _UNAVAILABLE:
+            raise RuntimeError(f"benchmark {name!r} could not be imported: {_UNAVAILABLE[name]}")
+        known = ", ".join(sorted(_BENCHMARKS)) or "none registered: import dsv4lab.benchmarks"
+        raise KeyError(f"unknown benchmark {name!r}; known: {known}")
+    rows = _BENCHMARKS[name].fn(smoke, **options)
     for row in rows:
         row.setdefault("smoke", smoke)
+    rows = results.with_provenance(name, rows)
     if record and rows:
         results.record(name, rows)
     return rows

@@ -10,7 +10,6 @@ notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import signal
@@ -59,30 +58,21 @@ def server_command(port: int, token: str, root_dir: str | Path = NOTEBOOKS, *,
     return cmd
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dsv4lab lab", description="start JupyterLab on the notebooks (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8888, help="port on 127.0.0.1 (0: any free port)")
-    p.add_argument("--token", default=None, help="access token (default: a random one)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--no-browser", dest="browser", action="store_false", help="do not open a browser (default)")
-    g.add_argument("--browser", dest="browser", action="store_true", help="open the default browser")
-    p.set_defaults(browser=False)
-    p.add_argument("--notebook-dir", default=str(NOTEBOOKS), help="folder JupyterLab opens (default: notebooks/)")
-    p.add_argument("--no-kernel-install", action="store_true", help="skip registering the dsv4lab kernel")
-    p.add_argument("--dry-run", action="store_true", help="print the URL and the command, start nothing")
-    args = p.parse_args(argv)
-
-    root = Path(args.notebook_dir)
-    if not root.is_dir():
-        p.error(f"--notebook-dir {root} is not a folder")
-    port = args.port or free_port()
-    token = args.token or secrets.token_hex(16)
-    cmd = server_command(port, token, root, open_browser=args.browser)
-    if args.dry_run:
+def start(root: str | Path = NOTEBOOKS, *, port: int = 8888, token: str | None = None,
+          browser: bool = False, install_kernel: bool = True, dry_run: bool = False) -> int:
+    """Register the kernel (unless ``install_kernel`` is False), start JupyterLab on ``root``
+    at 127.0.0.1:``port`` (0: a free port) and wait until it exits; returns its exit status.
+    ``dry_run``: print the URL and the command, start nothing. (``dsv4lab lab`` parses the
+    flags: :mod:`dsv4lab.cli`.)"""
+    root = Path(root)
+    port = port or free_port()
+    token = token or secrets.token_hex(16)
+    cmd = server_command(port, token, root, open_browser=browser)
+    if dry_run:
         print(url(port, token))
         print(" ".join(cmd))
         return 0
-    if not args.no_kernel_install:
+    if install_kernel:
         where = register_kernel()
         print(f"kernel '{KERNEL_NAME}' registered in {where}")
     print(f"JupyterLab on {root.resolve()}\n  open: {url(port, token)}\n(Ctrl-C stops it)", flush=True)
@@ -98,7 +88,3 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

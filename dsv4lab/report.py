@@ -2,10 +2,12 @@
 
 :func:`build_report` converts every executed notebook in ``executed_dir`` (what
 ``dsv4lab run`` wrote to build/notebooks/) to ``html_dir/<name>.html`` with nbconvert,
-and writes ``html_dir/index.html``: one row per notebook with its status, mode, time
-and device from ``summary.json`` (or, for a notebook run some other way, from the
-papermill metadata inside it), and a link that resolves. Notebooks listed in the
-summary without an executed copy are listed too, without a link.
+and writes ``html_dir/index.html``: one row per notebook with its title and one-line
+summary (from its first markdown cell), its status, mode, time and device from
+``summary.json`` (or, for a notebook run some other way, from the papermill metadata
+inside it), and a link that resolves. Notebooks listed in the summary without an executed
+copy are listed too, without a link. The rendered code cells leave out the
+``# NBVAL_...`` marker comments (instructions to the notebook tests, not to a reader).
 
 Explained in notebooks/00_tour.ipynb.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import json
+import re
 from pathlib import Path
 
 STATUS_COLORS = {"pass": "#1a7f37", "fail": "#cf222e"}
@@ -43,6 +46,58 @@ def _status_from_notebook(nb) -> dict:
 
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+NBVAL_MARKER = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+[ \t]*(?:\n|$)", re.M)
+SUMMARY_CHARS = 240
+
+
+def _plain_markdown(text: str) -> str:
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)        # [text](url) -> text
+    return re.sub(r"\*\*|__|`", "", text).strip()
+
+
+def title_and_summary(nb) -> tuple[str, str]:
+    """The first markdown cell's heading, and the first sentence after it (at least 40
+    characters; the first list item when the paragraph only leads into a list, as "What you
+    will learn:" does)."""
+    md = next((c.source for c in nb.cells if c.cell_type == "markdown" and c.source.strip()), "")
+    title, paras = "", []
+    for block in re.split(r"\n\s*\n", md):
+        lines = [ln.strip() for ln in block.strip().splitlines() if ln.strip()]
+        if not lines:
+            continue
+        if lines[0].startswith("#") and not title:
+            title = lines[0].lstrip("#").strip()
+            lines = lines[1:]
+        if lines:
+            paras.append(lines)
+    summary = ""
+    for lines in paras:
+        items = [i for i, ln in enumerate(lines) if re.match(r"^([-*+]|\d+\.)\s", ln)]
+        lead = " ".join(lines[:items[0]] if items else lines)
+        if lead.rstrip().endswith(":"):            # "... You will learn:" leads into a list
+            lead = " ".join(re.split(r"(?<=[.!?])\s+", lead)[:-1])
+        if lead:
+            summary = lead
+            break
+        if items:                                   # a lead-in to a list: its first item
+            item = [re.sub(r"^([-*+]|\d+\.)\s+", "", lines[items[0]])]
+            item += [ln for ln in lines[items[0] + 1:items[1] if len(items) > 1 else None]]
+            summary = " ".join(item)
+            break
+    summary = _plain_markdown(summary)
+    cut = re.search(r"(?<=[.!?])\s", summary[40:])
+    if cut:
+        summary = summary[:40 + cut.start()]
+    if len(summary) > SUMMARY_CHARS:
+        summary = summary[:SUMMARY_CHARS - 1].rsplit(" ", 1)[0] + "\u2026"
+    return _plain_markdown(title), summary.rstrip(";,")
+
+
+def _strip_nbval_markers(nb) -> None:
+    """Drop the ``# NBVAL_...`` comment lines from the code cells (they steer the notebook tests)."""
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "NBVAL_" in cell.source:
+            cell.source = NBVAL_MARKER.sub("", cell.source)
 
 
 def _prefer_static_fallbacks(nb) -> None:
@@ -62,14 +117,25 @@ def _convert(nb_path: Path, out_path: Path):
 
     nb = nbformat.read(nb_path, as_version=4)
     _prefer_static_fallbacks(nb)
+    _strip_nbval_markers(nb)
     exporter = HTMLExporter(template_name="lab")
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": nb_path.stem}})
     out_path.write_text(body, encoding="utf-8")
     return nb
 
 
-def build_report(executed_dir, html_dir) -> Path:
-    """Convert ``executed_dir/*.ipynb`` to ``html_dir/*.html``; return the index's path."""
+def _read_titles(path: Path) -> tuple[str, str]:
+    import nbformat
+    try:
+        return title_and_summary(nbformat.read(path, as_version=4))
+    except Exception:  # noqa: BLE001  (an unreadable notebook has no title; the row says why)
+        return "", ""
+
+
+def build_report(executed_dir, html_dir, source_dir=None) -> Path:
+    """Convert ``executed_dir/*.ipynb`` to ``html_dir/*.html``; return the index's path.
+    ``source_dir`` (the committed notebooks) gives the titles of notebooks the summary
+    lists without an executed copy."""
     executed_dir, html_dir = Path(executed_dir), Path(html_dir)
     if not executed_dir.is_dir():
         raise FileNotFoundError(f"{executed_dir} does not exist: run `dsv4lab run` first")
@@ -80,6 +146,7 @@ def build_report(executed_dir, html_dir) -> Path:
         name = nb_path.stem
         target = html_dir / f"{name}.html"
         row = dict(summary.get(name, {}))
+        title, line = _read_titles(nb_path)
         try:
             nb = _convert(nb_path, target)
             link = target.name
@@ -89,10 +156,12 @@ def build_report(executed_dir, html_dir) -> Path:
             link = None
             row = {**row, "status": row.get("status", "fail"),
                    "error": (row.get("error") or "") + f" (HTML conversion failed: {type(e).__name__}: {e})"}
-        entries[name] = {**row, "notebook": name, "link": link}
+        entries[name] = {**row, "notebook": name, "link": link, "title": title, "summary": line}
     for name, row in summary.items():
         if name not in entries:
-            entries[name] = {**row, "notebook": name, "link": None,
+            src = Path(source_dir) / f"{name}.ipynb" if source_dir else None
+            title, line = _read_titles(src) if src is not None and src.exists() else ("", "")
+            entries[name] = {**row, "notebook": name, "link": None, "title": title, "summary": line,
                              "error": (row.get("error") or "") + " (no executed copy)"}
     index = html_dir / "index.html"
     index.write_text(_index_html(sorted(entries.values(), key=lambda r: r["notebook"])), encoding="utf-8")
@@ -100,20 +169,23 @@ def build_report(executed_dir, html_dir) -> Path:
 
 
 def _index_html(rows: list[dict]) -> str:
-    def cell(v):
-        return f"<td>{html.escape(str(v if v is not None else ''))}</td>"
+    def cell(v, cls=""):
+        attr = f' class="{cls}"' if cls else ""
+        return f"<td{attr}>{html.escape(str(v if v is not None else ''))}</td>"
 
     body = []
     for r in rows:
         status = str(r.get("status", "unknown"))
         name = html.escape(r["notebook"])
-        link = f'<a href="{html.escape(r["link"])}">{name}</a>' if r.get("link") else name
+        title = html.escape(r.get("title") or r["notebook"])
+        link = f'<a href="{html.escape(r["link"])}">{title}</a>' if r.get("link") else title
         color = STATUS_COLORS.get(status, "#6e7781")
         body.append(
-            f'<tr class="nb" data-notebook="{name}" data-status="{html.escape(status)}"><td>{link}</td>'
+            f'<tr class="nb" data-notebook="{name}" data-status="{html.escape(status)}">'
+            f'<td class="title">{link}<div class="summary">{html.escape(r.get("summary") or "")}</div></td>'
             f'<td class="status" style="color:{color};font-weight:bold">{html.escape(status)}</td>'
             + cell(r.get("seconds", "")) + cell(r.get("mode", "")) + cell(r.get("device", ""))
-            + cell(r.get("error", "")) + "</tr>")
+            + cell(r.get("error", ""), "error") + "</tr>")
     passed = sum(r.get("status") == "pass" for r in rows)
     now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
     return f"""<!DOCTYPE html>
@@ -122,7 +194,10 @@ def _index_html(rows: list[dict]) -> str:
 body {{ font-family: system-ui, sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; }}
 th, td {{ border-bottom: 1px solid #ddd; padding: 0.3em 0.8em; text-align: left; vertical-align: top; }}
-td:last-child {{ max-width: 40em; font-size: 85%; color: #555; }}
+td.title {{ max-width: 36em; }}
+td.title a {{ font-weight: bold; }}
+.summary {{ font-size: 90%; color: #444; margin-top: 0.2em; }}
+td.error {{ max-width: 30em; font-size: 85%; color: #555; }}
 </style></head>
 <body>
 <h1>dsv4lab: executed notebooks</h1>

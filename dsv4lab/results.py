@@ -4,6 +4,14 @@ Every row carries where it was measured (GPU, capability, torch, triton, git com
 date). Rows are never edited or dropped; newer rows simply come later. ``load`` returns
 them for plotting; ``latest`` keeps the newest row per configuration.
 
+Nothing recorded can be lost:
+
+- :func:`record` writes a batch of rows with one ``write`` of whole lines, starting with a
+  newline when the file does not end in one (so a line torn by a crash stays on its own);
+- :func:`load` skips a line that does not parse, with a warning naming the file and line;
+- a figure that is not finite (NaN, inf) is written as ``null``, and the row's
+  ``"nonfinite"`` field lists the fields that were (JSON has no NaN).
+
 Withdrawn commits. An experiment measured and then reverted leaves rows of code that is
 not in the project any more; newest-first readers (``dsv4lab targets``, the notebooks'
 recorded-row cells) would take them for the shipped kernels' figures. Such commits are
@@ -16,8 +24,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -25,6 +35,11 @@ from dsv4lab import runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PROVENANCE_KEYS = ("gpu", "capability", "torch", "triton", "commit", "date")
+WITHDRAWN_FILE = "withdrawn.json"
+
+
+class TornLineWarning(UserWarning):
+    """A results file holds a line that is not a JSON row (a write cut short)."""
 
 
 def results_dir() -> Path:
@@ -50,6 +65,7 @@ def git_commit() -> str:
 
 
 def provenance() -> dict:
+    """Where and when a row is measured: :data:`PROVENANCE_KEYS`."""
     v = runtime.versions()
     return {
         "gpu": v["gpu"],
@@ -61,28 +77,71 @@ def provenance() -> dict:
     }
 
 
+def with_provenance(bench: str, rows: Iterable[dict], prov: dict | None = None) -> list[dict]:
+    """``rows`` as they are recorded: ``{"bench", provenance..., row...}`` (a row's own
+    fields win, so a row that already carries its provenance keeps it)."""
+    prov = provenance() if prov is None else prov
+    return [{"bench": bench, **prov, **row} for row in rows]
+
+
+def _plain(x):
+    """``x`` as JSON can hold it: tensors and numpy scalars as numbers, tuples and sets as lists."""
+    if hasattr(x, "item") and getattr(x, "ndim", 0) == 0:
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, (tuple, set, frozenset)):
+        return list(x)
+    return x
+
+
+def _finite(value, path: str, bad: list[str]):
+    """``value`` with every non-finite float replaced by None (its dotted path noted in ``bad``)."""
+    value = _plain(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        bad.append(path)
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{path}.{k}" if path else str(k), bad) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v, f"{path}.{i}", bad) for i, v in enumerate(value)]
+    return value
+
+
+def _line(row: dict) -> str:
+    bad: list[str] = []
+    clean = _finite(row, "", bad)
+    if bad:
+        clean["nonfinite"] = sorted(set(clean.get("nonfinite") or []) | set(bad))
+    return json.dumps(clean, default=str, allow_nan=False)
+
+
 def record(bench: str, rows: Iterable[dict], *, directory: Path | str | None = None) -> Path:
-    """Append ``rows`` (dicts of shape parameters and figures) to ``<bench>.jsonl``."""
-    rows = list(rows)
+    """Append ``rows`` (dicts of shape parameters and figures) to ``<bench>.jsonl``, each
+    with the provenance of this run (:func:`with_provenance`), in one write."""
+    rows = with_provenance(bench, rows)
     path = Path(directory or results_dir()) / f"{bench}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    prov = provenance()
-    with path.open("a") as f:
-        for row in rows:
-            full = {"bench": bench, **prov, **row}
-            f.write(json.dumps(full, sort_keys=False, default=_jsonable) + "\n")
+    if not rows:
+        return path
+    text = "".join(_line(r) + "\n" for r in rows)          # serialised before the file is touched
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with path.open("rb") as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    text = "\n" + text
+        data = text.encode()
+        written = os.write(fd, data)
+        while written < len(data):                         # a short write: finish the batch
+            written += os.write(fd, data[written:])
+    finally:
+        os.close(fd)
     return path
-
-
-def _jsonable(x):
-    if hasattr(x, "item"):
-        return x.item()
-    if isinstance(x, (tuple, set)):
-        return list(x)
-    return str(x)
-
-
-WITHDRAWN_FILE = "withdrawn.json"
 
 
 def withdrawn_commits(directory: Path | str | None = None) -> dict:
@@ -96,18 +155,28 @@ def withdrawn_commits(directory: Path | str | None = None) -> dict:
 def load(bench: str, *, directory: Path | str | None = None, withdrawn: bool = False,
          **filters) -> list[dict]:
     """Rows of ``<bench>.jsonl`` whose fields equal every ``filters`` value, without the
-    rows of withdrawn commits unless ``withdrawn`` (see the module docstring)."""
+    rows of withdrawn commits unless ``withdrawn`` (see the module docstring). A line that
+    does not parse is skipped with a :class:`TornLineWarning` naming the file and line."""
     path = Path(directory or results_dir()) / f"{bench}.jsonl"
     if not path.exists():
         return []
     skip = set() if withdrawn else set(withdrawn_commits(directory))
     rows = []
-    with path.open() as f:
-        for line in f:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                warnings.warn(f"{path}:{n}: skipped a line that is not a JSON row ({e.msg}): "
+                              f"{line[:80]!r}", TornLineWarning, stacklevel=2)
+                continue
+            if not isinstance(row, dict):
+                warnings.warn(f"{path}:{n}: skipped a line that is not a JSON object",
+                              TornLineWarning, stacklevel=2)
+                continue
             if str(row.get("commit", ""))[:7] in skip:
                 continue
             if all(row.get(k) == v for k, v in filters.items()):

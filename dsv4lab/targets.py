@@ -1,25 +1,35 @@
-"""The campaign's targets, checked against the recorded rows (never against a live run).
+"""The campaign's goals, checked against the recorded rows (never against a live run).
 
-Each issue states its targets as numbers on an H200; :func:`check` reads the newest GPU
-row of each configuration from ``data/results/`` and says, per target, what was measured,
-the goal, whether it is met, and at which commit and date. Smoke rows and CPU rows never
-count. Every notebook's "Targets" cell shows :func:`table`; notebooks 02 to 06 explain them.
+Each goal is a number on an H200; :func:`check` reads the newest GPU row of each
+configuration from ``data/results/`` and says, per goal, what was measured, the goal,
+whether it is met, and at which commit and date. Smoke rows and CPU rows never count.
+
+Which rows count (:func:`gpu_rows`): the L2 state the goals were set with (``l2="dirty"``,
+see :mod:`dsv4lab.bench`), and graph replays: a row's ``mode`` is ``"eager"`` (the call,
+host included) or ``"graph"`` (its CUDA-graph replay); rows recorded before rows carried
+``mode`` count as they always did. ``mode="eager"`` shows the eager rows on their own.
+Every notebook's "Targets" cell shows :func:`table`; notebooks 02 to 06 explain them.
 """
 from __future__ import annotations
 
 from dsv4lab import results
 
 BENCHES = ("sparse_mla", "indexer", "moe", "spec", "step")
+MODES = ("graph", "eager")
 
 
-def gpu_rows(bench: str, l2: str = "dirty") -> list[dict]:
+def gpu_rows(bench: str, l2: str = "dirty", mode: str = "graph") -> list[dict]:
     """Recorded full-mode GPU rows of ``bench`` timed after the L2 state ``l2``, oldest first.
 
-    The targets were set with ``do_bench``'s flush (``"dirty"``, also every row recorded
+    The goals were set with ``do_bench``'s flush (``"dirty"``, also every row recorded
     before rows carried ``l2``); ``"clean"`` rows (:mod:`dsv4lab.bench`) are a second view,
-    never mixed into the first."""
+    never mixed into the first. ``mode="graph"`` keeps graph replays and the rows without a
+    ``mode``; ``mode="eager"`` keeps the eager rows only."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
+    keep = (lambda m: m in (None, "graph")) if mode == "graph" else (lambda m: m == "eager")
     return [r for r in results.load(bench) if not r.get("smoke") and r.get("capability") not in (None, "cpu")
-            and r.get("l2", "dirty") == l2]
+            and r.get("l2", "dirty") == l2 and keep(r.get("mode"))]
 
 
 def _newest(rows: list[dict], **match) -> dict | None:
@@ -116,7 +126,7 @@ def _spec(rows):
 
 
 def _step(rows):
-    from dsv4lab import step
+    from dsv4lab.drivers import step
     out = []
     for t in step.targets(rows):
         if t["met"] is None:
@@ -132,22 +142,24 @@ def _step(rows):
 _CHECKS = {"sparse_mla": _sparse_mla, "indexer": _indexer, "moe": _moe, "spec": _spec, "step": _step}
 
 
-def check(bench: str, rows: list[dict] | None = None, *, l2: str = "dirty") -> list[dict]:
-    """Per target of ``bench``: target, value, goal, met (None: no recorded row), commit, date.
+def check(bench: str, rows: list[dict] | None = None, *, l2: str = "dirty", mode: str = "graph") -> list[dict]:
+    """Per goal of ``bench``: target, value, goal, met (None: no recorded row), commit, date.
 
-    ``l2`` picks which recorded rows count (see :func:`gpu_rows`); ``"dirty"`` is the
-    method the targets were set with."""
+    ``l2`` and ``mode`` pick which recorded rows count (see :func:`gpu_rows`); ``"dirty"``
+    and ``"graph"`` are the method the goals were set with."""
     if bench not in _CHECKS:
         raise ValueError(f"bench must be one of {', '.join(BENCHES)}, got {bench!r}")
     if l2 not in ("dirty", "clean"):
         raise ValueError(f"l2 must be 'dirty' or 'clean', got {l2!r}")
-    return _CHECKS[bench](gpu_rows(bench, l2) if rows is None else rows)
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
+    return _CHECKS[bench](gpu_rows(bench, l2, mode) if rows is None else rows)
 
 
-def table(bench: str, rows: list[dict] | None = None, *, l2: str = "dirty") -> str:
+def table(bench: str, rows: list[dict] | None = None, *, l2: str = "dirty", mode: str = "graph") -> str:
     """The verdicts of :func:`check` as aligned text, for a notebook cell or the terminal."""
     lines = []
-    for v in check(bench, rows, l2=l2):
+    for v in check(bench, rows, l2=l2, mode=mode):
         val = v["value"]
         shown = "no recorded row" if val is None else (f"{val:.3g}" if isinstance(val, float) else str(val))
         verdict = {True: "MET", False: "NOT MET", None: "-"}[v["met"]]

@@ -13,21 +13,26 @@ After training the routed experts of every layer (main and MTP) are quantised to
 Writes a safetensors checkpoint (packed experts, config in its metadata) and a JSON log
 (settings, loss curve, held-out figures, device, steps, minutes).
 
-    python -m dsv4lab.cli train --minutes 2.5 --device cuda --out data/checkpoints/mini.safetensors
+:class:`Settings` checks every setting before anything runs (:class:`SettingsError`, one
+line naming the flag); nothing is written unless training completed at least one step, and
+both files are written to a temporary name and renamed into place, so an interrupted or
+refused run never replaces the committed checkpoint.
+
+    dsv4lab train --minutes 2.5 --device cuda --out data/checkpoints/mini.safetensors
 
 Explained in notebooks/05_mtp_speculative.ipynb.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import os
 import platform
-import sys
 import sysconfig
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,6 +45,10 @@ from dsv4lab.model import DSV4, save_checkpoint, tiny_config
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "data" / "checkpoints" / "mini.safetensors"
 HELDOUT_PERCENT = 5
 SEPARATOR = b"\n\n"
+
+
+class SettingsError(ValueError):
+    """A training setting is out of range, or the corpus cannot serve it (one line)."""
 
 
 # ------------------------------------------------------------------------------ corpus
@@ -79,7 +88,7 @@ def load_corpus(root=None, max_files: int | None = None) -> tuple[torch.Tensor, 
             train.append(data)
             n_train += 1
     if not train or not held:
-        raise RuntimeError(f"corpus too small: {n_train} train / {n_held} held-out files under "
+        raise SettingsError(f"corpus too small: {n_train} train / {n_held} held-out files under "
                            f"{root or sysconfig.get_paths()['stdlib']}")
     to_t = lambda parts: torch.frombuffer(bytearray(SEPARATOR.join(parts)), dtype=torch.uint8)  # noqa: E731
     tr, he = to_t(train), to_t(held)
@@ -93,10 +102,10 @@ def mini_config(layers: int | None = None) -> DSV4Config:
     """``DSV4Config.mini()``, optionally with ``layers`` main layers laid out like Flash:
     ``[0, 0] + [4, 128] * ...`` (then the MTP layer's 0)."""
     cfg = DSV4Config.mini()
-    if not layers or layers == cfg.num_layers:
+    if layers is None or layers == cfg.num_layers:
         return cfg
     if layers < 2:
-        raise ValueError(f"--layers must be >= 2, got {layers}")
+        raise SettingsError(f"--layers must be >= 2, got {layers}")
     body = ([4, 128] * layers)[:layers - 2]
     return cfg.replace(num_layers=layers, compress_ratios=tuple([0, 0] + body + [cfg.mtp_compress_ratio]))
 
@@ -196,7 +205,7 @@ def train(cfg: DSV4Config, *, minutes: float | None, steps: int | None, device, 
     model.quantize_experts("mxfp4")
     after = evaluate(model, held, device=dev)
     log = {
-        "config": json.loads(json.dumps(cfg.__dict__, default=list)),
+        "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=list)),
         "device": runtime.device_name() if dev.type == "cuda" else "cpu",
         "device_type": dev.type, "versions": runtime.versions(),
         "steps": step, "minutes": round(train_s / 60, 3), "batch": batch, "seq": seq, "lr": lr,
@@ -209,53 +218,95 @@ def train(cfg: DSV4Config, *, minutes: float | None, steps: int | None, device, 
     return model, log
 
 
-def main(argv=None) -> int:
-    """Entry point of ``dsv4lab train``."""
-    ap = argparse.ArgumentParser(prog="dsv4lab train", description=__doc__.split("\n")[0])
-    ap.add_argument("--minutes", type=float, default=None, help="time budget (default 2.5 unless --steps)")
-    ap.add_argument("--steps", type=int, default=None, help="number of optimizer steps")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: the lab's device)")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="checkpoint path (.safetensors)")
-    ap.add_argument("--log", default=None, help="JSON log path (default: next to --out)")
-    ap.add_argument("--config", default="mini", choices=["mini", "tiny"])
-    ap.add_argument("--layers", type=int, default=8,
-                    help="main layers of the mini config (default 8: [0,0]+[4,128]*3, like Flash's "
-                         "pattern; the draft's cost relative to the model is what speculation trades)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 64 on GPU, 8 on CPU)")
-    ap.add_argument("--seq", type=int, default=None, help="bytes per sequence (default 512 on GPU, 256 on CPU)")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-files", type=int, default=None, help="use only the first N files (quick runs)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    device = args.device or str(runtime.device())
-    gpu = device.startswith("cuda")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    minutes = args.minutes if args.minutes is not None else (None if args.steps else 2.5)
-    cfg = mini_config(args.layers) if args.config == "mini" else tiny_config()
-    model, log = train(cfg, minutes=minutes, steps=args.steps, device=device,
-                       batch=args.batch or (64 if gpu else 8), seq=args.seq or (512 if gpu else 256),
-                       lr=args.lr, seed=args.seed, max_files=args.max_files, quiet=args.quiet)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log_path = Path(args.log) if args.log else out.with_suffix(".json")
+@dataclass(frozen=True)
+class Settings:
+    """One training run, checked: every field in range, the device present."""
+    minutes: float | None
+    steps: int | None
+    device: str
+    out: Path
+    log: Path
+    config: str
+    layers: int
+    batch: int
+    seq: int
+    lr: float
+    seed: int
+    max_files: int | None
+    threads: int | None
+    quiet: bool
+
+    @classmethod
+    def from_args(cls, a) -> "Settings":
+        """From the CLI's parsed arguments (``dsv4lab.cli``); :class:`SettingsError` names the
+        first flag out of range."""
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise SettingsError(msg)
+
+        need(a.steps is None or a.steps >= 1, f"--steps must be >= 1, got {a.steps}")
+        need(a.minutes is None or (math.isfinite(a.minutes) and a.minutes > 0),
+             f"--minutes must be a positive number, got {a.minutes}")
+        for flag, v, lo in (("--batch", a.batch, 1), ("--seq", a.seq, 8), ("--layers", a.layers, 2),
+                            ("--max-files", a.max_files, 1), ("--threads", a.threads, 1)):
+            need(v is None or v >= lo, f"{flag} must be >= {lo}, got {v}")
+        need(math.isfinite(a.lr) and a.lr > 0, f"--lr must be a positive number, got {a.lr}")
+        device = a.device or str(runtime.device())
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            raise SettingsError(f"--device {device!r} is not a device (cuda, cuda:N or cpu)") from None
+        if dev.type == "cuda":
+            need(torch.cuda.is_available(), f"--device {device}: this machine has no CUDA GPU (use --device cpu)")
+            need(dev.index is None or dev.index < torch.cuda.device_count(),
+                 f"--device {device}: there are {torch.cuda.device_count()} CUDA device(s)")
+        else:
+            need(dev.type == "cpu", f"--device must be cuda or cpu, got {device!r}")
+        out = Path(a.out) if a.out else DEFAULT_OUT
+        need(not out.is_dir(), f"--out {out} is a folder; give a file path (.safetensors)")
+        gpu = dev.type == "cuda"
+        minutes = a.minutes if a.minutes is not None else (None if a.steps else 2.5)
+        return cls(minutes=minutes, steps=a.steps, device=device, out=out,
+                   log=Path(a.log) if a.log else out.with_suffix(".json"), config=a.config,
+                   layers=a.layers, batch=a.batch or (64 if gpu else 8), seq=a.seq or (512 if gpu else 256),
+                   lr=a.lr, seed=a.seed, max_files=a.max_files, threads=a.threads, quiet=a.quiet)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def run(s: Settings) -> int:
+    """Train with ``s``; write the checkpoint and the log only when at least one step ran.
+    Returns the exit status (1: nothing written)."""
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    cfg = mini_config(s.layers) if s.config == "mini" else tiny_config()
+    model, log = train(cfg, minutes=s.minutes, steps=s.steps, device=s.device, batch=s.batch, seq=s.seq,
+                       lr=s.lr, seed=s.seed, max_files=s.max_files, quiet=s.quiet)
+    if log["steps"] < 1:
+        print(f"dsv4lab train: no step ran within {s.minutes} min: nothing written ({s.out} kept)")
+        return 1
+    s.out.parent.mkdir(parents=True, exist_ok=True)
+    s.log.parent.mkdir(parents=True, exist_ok=True)
     b, a = log["heldout_before_quant"], log["heldout_after_quant"]
-    save_checkpoint(model.cpu(), out, metadata={
+    # save_checkpoint writes a temporary file and renames it over s.out once complete
+    save_checkpoint(model.cpu(), s.out, metadata={
         "trained_on": log["device"], "steps": str(log["steps"]), "minutes": str(log["minutes"]),
         "heldout_main_loss_bf16_experts": f"{b['main']:.4f}",
         "heldout_main_loss_mxfp4_experts": f"{a['main']:.4f}",
     })
-    log["checkpoint"] = out.name
-    log["checkpoint_bytes"] = out.stat().st_size
-    log_path.write_text(json.dumps(log, indent=1))
+    log["checkpoint"] = s.out.name
+    log["checkpoint_bytes"] = s.out.stat().st_size
+    _write_atomic(s.log, json.dumps(log, indent=1))
     print(f"trained {log['steps']} steps in {log['minutes']:.2f} min on {log['device']}; "
           f"held-out loss (nats/byte) main {b['main']:.4f} -> {a['main']:.4f} after MXFP4, "
           f"MTP {b['mtp']:.4f} -> {a['mtp']:.4f}; top-1 main {a['main_acc']:.3f} "
-          f"MTP {a['mtp_acc']:.3f}; {out} ({log['checkpoint_bytes'] / 1e6:.1f} MB), log {log_path}")
+          f"MTP {a['mtp_acc']:.3f}; {s.out} ({log['checkpoint_bytes'] / 1e6:.1f} MB), log {s.log}")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

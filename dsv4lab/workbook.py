@@ -1,7 +1,8 @@
 """What every notebook's setup cell calls: mode, device, versions.
 
 ``MODE`` in a notebook's parameters cell is "auto" (full shapes on a GPU, smoke shapes
-on the CPU), "smoke" or "full". Explained in notebooks/00_tour.ipynb.
+on the CPU), "smoke" or "full". :func:`setup` also registers the benchmarks, so that a
+notebook's ``bench.run(NAME)`` finds them. Explained in notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
 
@@ -42,4 +43,5 @@ def setup(mode: str = "auto", *, seed: int = 0) -> Lab:
         raise ValueError("MODE='full' needs a CUDA GPU (full DeepSeek-V4-Flash shapes); "
                          "use 'smoke' or 'auto' on the CPU")
     torch.manual_seed(seed)
+    import dsv4lab.benchmarks  # noqa: F401  (registers every benchmark for bench.run)
     return Lab(mode=resolved, device=runtime.device(), live=live, versions=runtime.versions())

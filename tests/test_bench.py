@@ -61,6 +61,32 @@ def test_registry_and_run_records(rdir, toy_bench):
     assert calls == [True] and rows[0]["smoke"] is True and rows[0]["n"] == 4
     (rec,) = results.load(name)
     assert rec["n"] == 4 and rec["smoke"] is True and rec["commit"] == "test"
+    assert rec == rows[0]                        # what run returns is what was recorded
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_live_rows_carry_their_provenance(rdir, toy_bench, record):
+    """A notebook reads row["commit"] and row["date"] of live rows too (recorded or not)."""
+    name, _ = toy_bench
+    (row,) = bench.run(name, smoke=False, record=record)
+    for key in results.PROVENANCE_KEYS:
+        assert row[key] not in (None, ""), key
+    assert row["bench"] == name and row["commit"] == "test" and row["smoke"] is False
+    assert len(results.load(name)) == (1 if record else 0)
+
+
+def test_every_benchmark_definition_imports():
+    from dsv4lab import benchmarks
+    assert benchmarks.unavailable() == {}, benchmarks.unavailable()
+    assert {"sparse_mla", "indexer", "moe", "spec", "step"} <= set(benchmarks.registered())
+    for b in benchmarks.registered().values():
+        assert b.description, f"{b.name} has no one-line description (`dsv4lab bench --help` shows it)"
+
+
+def test_a_definition_that_failed_to_import_says_why(monkeypatch):
+    monkeypatch.setitem(bench._UNAVAILABLE, "_test_broken", "ImportError: cannot import name 'X'")
+    with pytest.raises(RuntimeError, match="benchmark '_test_broken' could not be imported: ImportError"):
+        bench.run("_test_broken")
 
 
 def test_smoke_rows_not_recorded_by_default(rdir, toy_bench):
@@ -79,9 +105,12 @@ def test_run_without_record(rdir, toy_bench):
     assert results.load(name) == []
 
 
-def test_unknown_benchmark():
+def test_unknown_benchmark(toy_bench):
     with pytest.raises(KeyError, match="unknown benchmark 'no_such_bench'"):
         bench.run("no_such_bench")
+    from dsv4lab import benchmarks
+    with pytest.raises(KeyError, match=f"known: .*{toy_bench[0]}"):
+        benchmarks.run("no_such_bench")
 
 
 @pytest.mark.gpu
@@ -159,63 +188,28 @@ def test_gap_table_pairs_the_states_of_one_commit():
     def row(commit, l2, ms, **kw):
         return dict(backend="mma", kv="bf16", B=64, S_q=1, topk=2048, commit=commit, l2=l2,
                     ms=ms, **kw)
-    mla = [row("aaaaaaa1", "dirty", 0.060), row("aaaaaaa1", "clean", 0.057),
-           row("bbbbbbb2", "clean", 0.050), row("bbbbbbb2", "dirty", 0.053),
-           row("ccccccc3", "dirty", 0.040),                       # newer code, dirty only
-           row("ddddddd4", "clean", 0.001, smoke=True), row("ddddddd4", "dirty", 0.002, smoke=True),
-           dict(row("eeeeeee5", None, 0.001))]
+    mla = [row("rev-one-x", "dirty", 0.060), row("rev-one-x", "clean", 0.057),
+           row("rev-two-x", "clean", 0.050), row("rev-two-x", "dirty", 0.053),
+           row("rev-new-x", "dirty", 0.040),                      # newer code, dirty only
+           row("rev-smk-x", "clean", 0.001, smoke=True), row("rev-smk-x", "dirty", 0.002, smoke=True),
+           dict(row("rev-nol-x", None, 0.001))]
     out = {r["case"]: r for r in gap_table({"l2": [], "moe": [], "sparse_mla": mla})}
     r = out["sparse MLA bf16, B 64, S_q 1"]
-    assert r["commits"] == "bbbbbbb/bbbbbbb"
+    assert r["commits"] == "rev-two/rev-two"
     assert r["dirty_us"] == pytest.approx(53.0) and r["clean_us"] == pytest.approx(50.0)
     assert r["gap_us"] == pytest.approx(3.0)
     assert "MoE MXFP4, T 1" not in out                               # nothing recorded
-    only_dirty = gap_table({"l2": [], "moe": [], "sparse_mla": [row("ccccccc3", "dirty", 0.04)]})
+    only_dirty = gap_table({"l2": [], "moe": [], "sparse_mla": [row("rev-new-x", "dirty", 0.04)]})
     assert only_dirty == []
 
 
-@settings(max_examples=8, deadline=None)
-@given(rows=st.sampled_from([1, 4]), step=st.sampled_from([16, 64]), slices=st.sampled_from([1, 2]),
-       tiles=st.sampled_from([1, 3]), evict=st.booleans(), spread=st.sampled_from([1, 2, 4]),
-       tile_major=st.booleans())
-def test_rows_read_reads_every_word(rows, step, slices, tiles, evict, spread, tile_major):
-    """scripts/probe_weight_reads.py's read: tiles of rows, K slices, a step of bytes a row a
-    step, either cache policy, pieces spread or not, rows or tile-major layout: the xors of
-    (program, row) fold to the xor of all words."""
-    from dsv4lab.benchmarks.l2 import _xor
-    from dsv4lab.kernels.stream_read import rows_read
-    row_bytes = 2 * slices * step * spread
-    n = tiles * rows * row_bytes // 4
-    words = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
-                          generator=torch.Generator().manual_seed(n)).to(runtime.device())
-    if tile_major and spread > 1:
-        with pytest.raises(ValueError, match="spread must be 1"):
-            rows_read(words, row_bytes=row_bytes, rows=rows, step=step, spread=spread,
-                      tile_major=True)
-        return
-    out = rows_read(words, row_bytes=row_bytes, rows=rows, step=step, slices=slices, evict=evict,
-                    spread=spread, tile_major=tile_major)
-    assert out.shape == (tiles * slices * rows,)
-    assert _xor(out) == _xor(words)
-    if tile_major:      # (program, row)'s xor: its slice's words, K-step-major in the tile
-        w = words.cpu().view(tiles, slices, row_bytes // slices // step, rows, step // 4)
-        want = torch.zeros(tiles, slices, rows, dtype=torch.int32)
-        for k in range(w.shape[2]):
-            for c in range(w.shape[4]):
-                want ^= w[:, :, k, :, c]
-        assert torch.equal(out.cpu(), want.reshape(-1))
-
-
-def test_rows_read_refuses_bad_input():
-    from dsv4lab.kernels.stream_read import rows_read
-    w = torch.zeros(64, dtype=torch.int32)
-    with pytest.raises(ValueError, match="words must be contiguous"):
-        rows_read(torch.zeros(128, dtype=torch.int32)[::2], row_bytes=64, rows=1, step=16)
-    with pytest.raises(ValueError, match="step must be a power of two, got 24"):
-        rows_read(w, row_bytes=64, rows=1, step=24)
-    with pytest.raises(ValueError, match=r"row_bytes \(64\) must be a multiple of slices x step"):
-        rows_read(w, row_bytes=64, rows=1, step=64, slices=2)
-    with pytest.raises(ValueError, match="whole tiles of 8 rows of 64 bytes"):
-        rows_read(w, row_bytes=64, rows=8, step=16)
-    with pytest.raises(ValueError, match="spread 4 needs"):
-        rows_read(w, row_bytes=64, rows=1, step=32, spread=4)
+def test_a_notebooks_setup_registers_the_benchmarks():
+    """Notebooks call ``bench.run(NAME)`` after ``workbook.setup``: the names are there."""
+    from dsv4lab import benchmarks, workbook
+    lab = workbook.setup("auto")
+    assert lab.mode in ("smoke", "full")
+    import pkgutil
+    modules = {m.name for m in pkgutil.iter_modules(benchmarks.__path__)}
+    assert modules and modules <= set(bench.registered()) | set(bench.unavailable_reasons())
+    with pytest.raises(ValueError, match="MODE must be one of"):
+        workbook.setup("fast")

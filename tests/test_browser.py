@@ -1,4 +1,4 @@
-"""JupyterLab as users meet it, in a real browser (issue 9).
+"""JupyterLab as users meet it, in a real browser.
 
 Starts JupyterLab (``dsv4lab.lab.server_command``) on 127.0.0.1 with a random free port and
 a token, serving a scratch copy of the notebooks (so outputs never reach the committed
@@ -8,7 +8,8 @@ shows an error, moves the explorer's concurrency slider and checks that its summ
 changed, and saves a screenshot under build/browser/. JupyterLab is shut down whatever
 happens. Then it builds `dsv4lab report` (after `dsv4lab run --only 00 --smoke`) and opens
 build/html/index.html in the same browser: every executed notebook is listed with its
-status, and every link resolves. Deselect with ``-m 'not browser'``.
+status, title and summary, every link resolves, and no page shows the NBVAL markers.
+Deselect with ``-m 'not browser'``.
 """
 import json
 import os
@@ -260,6 +261,8 @@ def _check_report(browser):
             if (executed / f"{name}.ipynb").exists():
                 assert href, f"{name} has an executed copy but no link"
         assert listed["00_tour"][0] == "pass"
+        tour = page.locator('tr.nb[data-notebook="00_tour"]')      # its title and one-line summary
+        assert "The tour" in tour.locator("a").inner_text() and tour.locator(".summary").inner_text().strip()
         page.screenshot(path=str(SHOTS / "report_index.png"))
         for name, (_, href) in listed.items():
             if not href:
@@ -271,6 +274,7 @@ def _check_report(browser):
             page.wait_for_load_state("load")
             assert page.url == target.as_uri(), (page.url, target)
             assert page.locator(".jp-Notebook, .jp-Cell").count() > 0, f"{href} is not a rendered notebook"
+            assert "NBVAL_" not in page.content(), f"{href} shows the notebook tests' markers"
             if name == "00_tour":
                 assert "The tour" in page.locator("h1").first.inner_text()
                 # the explorer's static fallback stands in for the widget in a static page

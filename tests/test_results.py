@@ -1,5 +1,8 @@
-"""dsv4lab.results: append-only JSONL with provenance, loading and labels."""
+"""dsv4lab.results: append-only JSONL with provenance, loading and labels; nothing recorded
+is lost to a torn line or a non-finite figure."""
 import json
+import math
+import os
 
 import numpy as np
 import pytest
@@ -86,8 +89,8 @@ def test_label():
 
 
 def test_git_commit_env_wins(monkeypatch):
-    monkeypatch.setenv("DSV4LAB_COMMIT", "deadbeef")
-    assert results.git_commit() == "deadbeef"
+    monkeypatch.setenv("DSV4LAB_COMMIT", "from-the-env")
+    assert results.git_commit() == "from-the-env"
     monkeypatch.delenv("DSV4LAB_COMMIT")
     assert isinstance(results.git_commit(), str) and results.git_commit()
 
@@ -111,10 +114,11 @@ def test_withdrawn_commits_are_left_out_unless_asked(rdir):
     """Rows of a commit listed in withdrawn.json (a reverted experiment) stay in the file
     but not in what load() returns, so newest-first readers see the shipped code's rows."""
     results.record("x", [{"n": 1}])
-    (rdir / "x.jsonl").open("a").write(json.dumps({"bench": "x", "commit": "dead123", "n": 2}) + "\n")
+    with (rdir / "x.jsonl").open("a") as f:
+        f.write(json.dumps({"bench": "x", "commit": "gone-commit", "n": 2}) + "\n")
     (rdir / "withdrawn.json").write_text(json.dumps(
-        [{"commit": "dead123", "bench": "x", "reason": "reverted"}]))
-    assert results.withdrawn_commits() == {"dead123": "reverted"}
+        [{"commit": "gone-co", "bench": "x", "reason": "reverted"}]))
+    assert results.withdrawn_commits() == {"gone-co": "reverted"}
     assert [r["n"] for r in results.load("x")] == [1]
     assert [r["n"] for r in results.load("x", withdrawn=True)] == [1, 2]
     assert len((rdir / "x.jsonl").read_text().splitlines()) == 2      # nothing dropped
@@ -131,3 +135,72 @@ def test_committed_withdrawals_name_recorded_commits_and_reasons():
         assert rows, f"no {entry['bench']} rows at {entry['commit']}"
         assert not results.load(entry["bench"], directory=directory, commit=entry["commit"])
         assert "reverted" in entry["reason"]
+
+
+# ---- nothing recorded is lost ------------------------------------------------------------
+
+def test_a_torn_last_line_is_skipped_with_a_warning_and_the_next_append_survives(rdir):
+    results.record("toy", [{"i": 0}, {"i": 1}])
+    path = rdir / "toy.jsonl"
+    with path.open("a") as f:
+        f.write('{"bench": "toy", "i": 2, "ms": 0.')          # a write cut short: no newline
+    with pytest.warns(results.TornLineWarning, match=r"toy\.jsonl:3: skipped a line"):
+        assert [r["i"] for r in results.load("toy")] == [0, 1]
+    results.record("toy", [{"i": 3}, {"i": 4}])             # starts on a line of its own
+    lines = path.read_text().splitlines()
+    assert lines[2].startswith('{"bench": "toy", "i": 2') and json.loads(lines[3])["i"] == 3
+    with pytest.warns(results.TornLineWarning, match="toy.jsonl:3"):
+        assert [r["i"] for r in results.load("toy")] == [0, 1, 3, 4]
+
+
+@pytest.mark.parametrize("garbage", ["[1, 2]", "NaN", "{not json}", "\x00\x00"])
+def test_lines_that_are_not_rows_are_skipped(rdir, garbage):
+    results.record("toy", [{"i": 0}])
+    with (rdir / "toy.jsonl").open("a") as f:
+        f.write(garbage + "\n")
+    results.record("toy", [{"i": 1}])
+    with pytest.warns(results.TornLineWarning, match="toy.jsonl:2"):
+        assert [r["i"] for r in results.load("toy")] == [0, 1]
+
+
+def test_a_batch_is_one_write_of_whole_lines(rdir, monkeypatch):
+    writes = []
+    real = os.write
+
+    def spy(fd, data):
+        writes.append(bytes(data))
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", spy)
+    results.record("toy", [{"i": i} for i in range(50)])
+    assert len(writes) == 1 and writes[0].endswith(b"\n") and writes[0].count(b"\n") == 50
+
+
+def test_a_row_that_cannot_be_serialised_writes_nothing(rdir):
+    results.record("toy", [{"i": 0}])
+    before = (rdir / "toy.jsonl").read_bytes()
+    with pytest.raises(TypeError):                         # json keys must be strings
+        results.record("toy", [{"i": 1}, {"bad": {(1, 2): 3}}])
+    assert (rdir / "toy.jsonl").read_bytes() == before    # not even the good first row
+
+
+def test_nonfinite_figures_are_null_with_the_reason(rdir):
+    import numpy as np
+    import torch
+    results.record("toy", [{"ms": float("nan"), "roofline_fraction": math.inf, "ok": 1.5,
+                            "per": {"attn": -math.inf, "moe": 2.0}, "list": [1.0, float("nan")],
+                            "t": torch.tensor(float("nan")), "n": np.float32("inf")}])
+    text = (rdir / "toy.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    (row,) = results.load("toy")
+    assert row["ms"] is None and row["roofline_fraction"] is None and row["ok"] == 1.5
+    assert row["per"] == {"attn": None, "moe": 2.0} and row["list"] == [1.0, None]
+    assert row["t"] is None and row["n"] is None
+    assert row["nonfinite"] == sorted(["ms", "roofline_fraction", "per.attn", "list.1", "t", "n"])
+    results.record("toy", [{"ms": 1.0}])
+    assert "nonfinite" not in results.load("toy")[-1]
+
+
+def test_with_provenance_keeps_a_rows_own_fields(rdir):
+    (row,) = results.with_provenance("toy", [{"ms": 1.0, "commit": "recorded-at"}])
+    assert row["bench"] == "toy" and row["commit"] == "recorded-at"
+    assert set(results.PROVENANCE_KEYS) <= set(row)

@@ -1,10 +1,10 @@
-"""dsv4lab.targets: the issues' targets evaluated from rows (synthetic rows here, so the
+"""dsv4lab.targets: the campaign's goals evaluated from rows (synthetic rows here, so the
 verdict logic is tested independently of what the GPU happened to measure)."""
 import pytest
 
 from dsv4lab import cli, targets
 
-PROV = dict(gpu="NVIDIA H200", capability="sm_90", commit="abcdef0123", date="2026-11-29T00:00:00", smoke=False)
+PROV = dict(gpu="NVIDIA H200", capability="sm_90", commit="rev-one-of-many", date="2026-11-29T00:00:00", smoke=False)
 
 
 def mla(backend, kv, B, S, topk, ms, frac=None):
@@ -22,7 +22,7 @@ def test_sparse_mla_verdicts_use_the_newest_row():
     assert [x["met"] for x in v.values()] == [True, False, True, True, False]
     assert v["MMA vs SIMT, B 64, topk 2048, S_q 1: speedup"]["value"] == pytest.approx(80.0)
     assert v["MMA FP8 KV vs bf16 KV, B 128, topk 2048, S_q 2: speedup"]["value"] == pytest.approx(1.5)
-    assert all(x["commit"] == "abcdef0" for x in v.values())
+    assert all(x["commit"] == "rev-one" for x in v.values())
 
 
 def test_missing_rows_are_reported_not_guessed():
@@ -67,7 +67,12 @@ def test_unknown_bench_and_cli(capsys):
         targets.check("nope")
     assert cli.main(["targets", "nope"]) == 2
     assert cli.main(["targets", "moe"]) == 0
-    assert "== moe" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "== moe" in out
+    # ... and which kernel each op runs, per capability
+    assert "kernels by GPU" in out and "fused_moe" in out
+    for cap in ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120"):
+        assert f"  {cap} " in out
 
 
 def test_clean_l2_rows_are_a_separate_view(tmp_path, monkeypatch):
@@ -87,3 +92,29 @@ def test_clean_l2_rows_are_a_separate_view(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="l2 must be 'dirty' or 'clean'"):
         targets.check("moe", l2="warm")
     assert cli.main(["targets", "moe", "--l2", "clean"]) == 0
+
+
+def test_graph_rows_judge_eager_rows_are_a_view(tmp_path, monkeypatch):
+    """Rows with mode "eager" never judge the goals (set on graph replays); rows without a
+    mode count as they always did; ``mode="eager"`` shows the eager rows on their own."""
+    from dsv4lab import results
+    monkeypatch.setenv("DSV4LAB_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(results, "provenance", lambda: dict(PROV))
+    key = dict(impl="triton", fmt="mxfp4", T=1, smoke=False)
+    results.record("moe", [dict(key, ms=0.07, roofline_fraction=0.40),                 # before `mode`
+                           dict(key, ms=0.04, roofline_fraction=0.55, mode="graph"),
+                           dict(key, ms=0.30, roofline_fraction=0.07, mode="eager")])
+    assert [r["ms"] for r in targets.gpu_rows("moe")] == [0.07, 0.04]
+    assert [r["ms"] for r in targets.gpu_rows("moe", mode="eager")] == [0.30]
+    assert targets.check("moe")[0]["value"] == pytest.approx(0.55)
+    assert targets.check("moe", mode="eager")[0]["value"] == pytest.approx(0.07)
+    with pytest.raises(ValueError, match="mode must be 'graph' or 'eager'"):
+        targets.check("moe", mode="replay")
+    assert cli.main(["targets", "moe", "--mode", "eager"]) == 0
+
+
+def test_the_recorded_rows_still_give_verdicts():
+    """The committed rows (recorded before rows carried ``mode``) still judge every goal."""
+    for bench in ("sparse_mla", "indexer", "moe", "spec"):
+        verdicts = targets.check(bench)
+        assert verdicts and all(v["met"] is not None for v in verdicts), (bench, verdicts)
