@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 
 import torch
@@ -36,6 +37,37 @@ def configure() -> None:
                 "set TRITON_INTERPRET=1 before importing triton (or import dsv4lab first)"
             )
         os.environ["TRITON_INTERPRET"] = "1"
+    if interpreting():
+        check_interpreter()
+
+
+class InterpreterVersionError(RuntimeError):
+    """The installed Triton's interpreter cannot run under the installed numpy."""
+
+
+def interpreter_problem(numpy_version: str, index_source: str) -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None. Triton 3.6's interpreter
+    turns a scalar into an index with ``int()`` of a one-element array (``index_source`` is its
+    ``__index__`` patch), which numpy 2.4 and later refuse (every ``range`` over a runtime
+    bound fails); Triton 3.9's does not."""
+    major_minor = tuple(int(p) for p in re.findall(r"\d+", numpy_version)[:2])
+    if major_minor >= (2, 4) and "int(self.handle.data)" in index_source:
+        return (f"Triton's interpreter in this release cannot run under numpy {numpy_version}: "
+                "use numpy < 2.4 with it (pip install 'numpy<2.4'), or Triton 3.9 or newer")
+    return None
+
+
+def check_interpreter() -> None:
+    """Raise :class:`InterpreterVersionError` (one line) where :func:`interpreter_problem` says so."""
+    import inspect
+
+    import numpy
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    source = inspect.getsource(patch) if patch is not None else ""
+    problem = interpreter_problem(numpy.__version__, source)
+    if problem:
+        raise InterpreterVersionError(problem)
 
 
 def is_interpreter() -> bool:

@@ -21,6 +21,35 @@ OUT = ROOT / "build" / "notebooks-test"
 SANITIZE = Path(__file__).resolve().parent / "nbval_sanitize.cfg"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT = 600          # seconds a cell may take (smoke mode aims at < 60 s a notebook)
+MAX_OUTPUT_LINES = 40       # what one code cell may print: a screen
+MAX_MARKDOWN_CHARS = 3000   # one markdown cell
+
+
+def output_lines(cell) -> int:
+    """Lines a code cell shows: its streams, and the text of its results (a figure counts as
+    one line: the plot shows the rest)."""
+    n = 0
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "stream":
+            n += len(str(o.get("text", "")).splitlines())
+        elif o.get("output_type") in ("execute_result", "display_data"):
+            data = o.get("data", {})
+            text = data.get("text/plain", "") if not any(k.startswith("image/") for k in data) else "x"
+            n += len(("".join(text) if isinstance(text, list) else str(text)).splitlines())
+        elif o.get("output_type") == "error":
+            n += len(o.get("traceback", []))
+    return n
+
+
+def screen_problems(nb) -> list[str]:
+    """Cells of an executed notebook that break the screen rules."""
+    out = []
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "code" and (n := output_lines(c)) > MAX_OUTPUT_LINES:
+            out.append(f"cell {i} prints {n} lines (at most {MAX_OUTPUT_LINES})")
+        if c.cell_type == "markdown" and len(c.source) > MAX_MARKDOWN_CHARS:
+            out.append(f"markdown cell {i} has {len(c.source)} characters (at most {MAX_MARKDOWN_CHARS})")
+    return out
 
 
 def _errors(nb) -> list[str]:
@@ -44,6 +73,7 @@ def test_notebook_smoke_then_nbval(path):
                     pytrace=False)
     executed = nbformat.read(out, as_version=4)
     assert _errors(executed) == []
+    assert screen_problems(executed) == [], f"{path.name}: {screen_problems(executed)}"
     assert any("# Parameters" in c.source and 'MODE = "smoke"' in c.source for c in executed.cells), \
         "papermill did not inject MODE"
 
@@ -95,3 +125,26 @@ def test_sanitize_file_covers_versions_times_addresses(raw, clean):
 def test_every_notebook_is_covered():
     assert NOTEBOOKS, "no notebooks found"
     assert NOTEBOOKS[0].name == "00_tour.ipynb"
+
+
+def test_screen_rules_catch_long_outputs():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print('x')")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="line\n" * 41)]
+    nb.cells = [nbformat.v4.new_markdown_cell("y" * 3001), cell]
+    problems = screen_problems(nb)
+    assert len(problems) == 2 and "41 lines" in problems[1] and "3001 characters" in problems[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.notebooks
+def test_every_notebook_runs_in_full_mode_on_the_gpu():
+    """What `dsv4lab run --full` does: every notebook at real shapes, live benchmarks included."""
+    from dsv4lab import cli
+
+    rows = cli.run_notebooks(NOTEBOOKS, mode="full", out_dir=ROOT / "build" / "notebooks-full")
+    failed = [r for r in rows if r.get("status") != "pass"]
+    assert not failed, failed
+    for path in NOTEBOOKS:
+        executed = nbformat.read(ROOT / "build" / "notebooks-full" / path.name, as_version=4)
+        assert screen_problems(executed) == [], f"{path.name}: {screen_problems(executed)}"

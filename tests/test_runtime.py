@@ -109,7 +109,7 @@ def test_versions_has_every_provenance_field():
 
 
 def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
-    # the Gluon kernels (moe_mma2, sparse_mla_ws) follow one release's Gluon API: any other
+    # the Gluon kernels (attention.ws_sm90, moe.mma_sm90, moe.gemv_sm90) follow one release's Gluon API: any other
     # Triton falls back to the Triton kernels with a reason, unless the user opts in
     from dsv4lab.kernels.device import GLUON_TRITON, gluon_unsupported
     monkeypatch.delenv("DSV4LAB_GLUON_ANY_TRITON", raising=False)
@@ -123,25 +123,13 @@ def test_gluon_kernels_only_on_the_triton_they_are_written_for(monkeypatch):
     assert gluon_unsupported("3.9.0") is None
 
 
-def test_moe_mma2_launch_keys_are_its_keywords():
-    # a config's MMA2 entry is checked in kernels/moe.py against this list, which has to stay
-    # moe_mma2.fused_moe's launch keywords
-    import inspect
-
-    from dsv4lab.kernels import moe, moe_mma2
-    params = inspect.signature(moe_mma2.fused_moe).parameters
-    launch = {n for n, p in params.items()
-              if p.kind is p.KEYWORD_ONLY and (n.isupper() or n == "num_warps")}
-    assert set(moe.MMA2_LAUNCH_KEYS) == launch
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_aborted_capture_leaves_random_draws_working():
     # a capture that fails (here a host sync inside it) must not leave the CUDA generator in
     # capture mode: the decode-step profile falls back to eager after one, then builds the
-    # next configuration's layers with CUDA random draws (found by the full GPU run at fdeb20d:
-    # test_real_size_layers_small_batch, "Offset increment outside graph capture ...")
+    # next configuration's layers with CUDA random draws ("Offset increment outside graph
+    # capture encountered unexpectedly" otherwise)
     from dsv4lab import runtime
     x = torch.randn(8, device="cuda")
     torch.cuda.synchronize()
@@ -160,3 +148,24 @@ def test_gpu_aborted_capture_leaves_random_draws_working():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, x * 2)
+
+
+OLD_INDEX = 'scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))'
+
+
+@pytest.mark.parametrize("numpy_version, source, refused", [
+    ("2.4.6", OLD_INDEX, True),           # Triton 3.6's interpreter under numpy 2.4
+    ("2.3.5", OLD_INDEX, False),
+    ("2.4.6", "lambda self: int(self.handle.data.squeeze())", False),   # Triton 3.9's
+    ("3.0.0", OLD_INDEX, True),
+])
+def test_interpreter_numpy_combination(numpy_version, source, refused):
+    problem = runtime.interpreter_problem(numpy_version, source)
+    assert (problem is not None) == refused
+    if refused:
+        assert "numpy < 2.4" in problem and "\n" not in problem
+
+
+def test_installed_interpreter_is_usable():
+    if runtime.is_interpreter():
+        runtime.check_interpreter()       # this environment passed configure(): no error
