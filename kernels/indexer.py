@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.device import DeviceProps, Route, choose, interpreting, props as device_props
+from dsv4lab.kernels.launch import Launch, workspace
 from dsv4lab.kernels.offline import Case
 
 # How the matmul runs (the DOT constexpr): the wider of q's and k's dtypes.
@@ -419,29 +420,56 @@ def _interpreted(device) -> bool:
     return device.type != "cuda" or interpreting()
 
 
+_LOGITS: dict = {}
+_TOPK: dict = {}
+
+
+def _logits_launch(q, k_cache, weights, block_table, context_lens, L, fill_tail, skip_upto,
+                   config, props):
+    """(plan, Launch) of :func:`logits_kernel` for these arguments' shapes and strides, made
+    once (:func:`logits_plan`, :class:`~dsv4lab.kernels.launch.Launch`)."""
+    key = (q.device, q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype,
+           weights.stride(), block_table.shape, block_table.stride(0), context_lens.stride(),
+           L, fill_tail, skip_upto, config, props)
+    entry = _LOGITS.get(key)
+    if entry is None:
+        B, S, H, D = q.shape
+        P, page, _ = k_cache.shape
+        plan = logits_plan(props or device_props(q.device), _interpreted(q.device), B * S, S, H,
+                           D, page, block_table.shape[1], L, q.dtype, k_cache.dtype, fill_tail,
+                           config)
+        meta = dict(plan.meta)
+        options = dict(num_warps=meta.pop("num_warps"), num_stages=meta.pop("num_stages"))
+        fixed = dict(meta, S=S, H=H, L=L, n_bound=plan.n_bound,
+                     skip_upto=-1 if fill_tail else skip_upto,
+                     stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+                     stride_wb=weights.stride(0), stride_ws=weights.stride(1),
+                     stride_btb=block_table.stride(0), stride_clb=context_lens.stride(0),
+                     stride_cls=context_lens.stride(1))
+        entry = _LOGITS[key] = (plan, Launch(logits_kernel, plan.grid, fixed, device=q.device,
+                                             guard=(0, 1, 2, 3, 4, 5), **options))
+    return entry
+
+
 def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out, L, *,
                    fill_tail: bool, skip_upto: int, config, props):
     if config is not None and not isinstance(config, LogitsConfig):
         raise ValueError(f"config must be a LogitsConfig, got {type(config).__name__}")
-    B, S, H, D = q.shape
-    P, page, _ = k_cache.shape
     if q.stride(3) != 1:
         q = q.contiguous()
-    k_cache = k_cache.contiguous()
-    k_scale = k_scale.contiguous()
-    weights = weights if weights.stride(2) == 1 else weights.contiguous()
-    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    plan = logits_plan(props or device_props(q.device), _interpreted(q.device), B * S, S, H, D,
-                       page, block_table.shape[1], L, q.dtype, k_cache.dtype, fill_tail, config)
-    logits_kernel[plan.grid](
-        q.view(torch.uint8) if plan.q_u8 else q, k_cache.view(torch.uint8) if plan.k_u8 else k_cache,
-        k_scale, weights, block_table, context_lens, out,
-        S, H, L, plan.n_bound, -1 if fill_tail else skip_upto,
-        q.stride(0), q.stride(1), q.stride(2),
-        weights.stride(0), weights.stride(1),
-        block_table.stride(0),
-        context_lens.stride(0), context_lens.stride(1),
-        **plan.meta)
+    if not k_cache.is_contiguous():
+        k_cache = k_cache.contiguous()
+    if not k_scale.is_contiguous():
+        k_scale = k_scale.contiguous()
+    if weights.stride(2) != 1:
+        weights = weights.contiguous()
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    plan, launch = _logits_launch(q, k_cache, weights, block_table, context_lens, L, fill_tail,
+                                  skip_upto, config, props)
+    launch(q.view(torch.uint8) if plan.q_u8 else q,
+           k_cache.view(torch.uint8) if plan.k_u8 else k_cache,
+           k_scale, weights, block_table, context_lens, out)
     return plan
 
 
@@ -485,9 +513,123 @@ def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, top
                          f"{q.device}, got {scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
     lp = _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, scratch, L,
                         fill_tail=False, skip_upto=topk, config=config, props=props)
-    plan = topk_plan(_interpreted(q.device), B * S, L, lp.n_bound, topk)
-    topk_kernel[plan.grid](scratch, context_lens, out, S, L, plan.n_bound,
-                           context_lens.stride(0), context_lens.stride(1), **plan.meta)
+    key = (q.device, B * S, S, L, lp.n_bound, topk, context_lens.stride())
+    launch = _TOPK.get(key)
+    if launch is None:
+        plan = topk_plan(_interpreted(q.device), B * S, L, lp.n_bound, topk)
+        meta = dict(plan.meta)
+        warps = meta.pop("num_warps")
+        launch = _TOPK[key] = Launch(topk_kernel, plan.grid, dict(
+            meta, S=S, stride_lr=L, n_bound=plan.n_bound, stride_clb=context_lens.stride(0),
+            stride_cls=context_lens.stride(1)), device=q.device, guard=(0, 1), num_warps=warps)
+    launch(scratch, context_lens, out)
+    return out
+
+
+# ------------------------------------------------------------- value checks, cache slots
+
+@triton.jit(do_not_specialize=["slot", "stamp"])
+def check_tables_kernel(bt_ptr, cl_ptr, safe_ptr, flag_ptr, S, MAXP, P, L, n_bound,
+                        stride_btb, stride_clb, stride_cls, slot, stamp,
+                        PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Row ``program_id(0)``'s block-table entries ``program_id(1) * BLOCK_P ..`` into the
+    copy the kernels read (clamped into [0, P): no read outside the cache), and
+    ``flags[slot]`` raised to ``2 * stamp + bad``: bad if a context length is outside
+    [0, L] or an entry of a visible page (one holding an entry below the row's longest
+    context) is not a page id."""
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    n_max = tl.zeros([], tl.int32)
+    bad = tl.zeros([], tl.int32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + offs_s
+        cl = tl.load(cl_ptr + b * stride_clb + s * stride_cls, mask=s < S, other=0)
+        bad = tl.maximum(bad, tl.max(((cl < 0) | (cl > L)).to(tl.int32), axis=0))
+        n_max = tl.maximum(n_max, tl.max(tl.minimum(tl.maximum(cl, 0), n_bound), axis=0))
+    j = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    m = j < MAXP
+    bt = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + j, mask=m, other=0)
+    vis = m & (j < tl.cdiv(n_max, PAGE))
+    bad = tl.maximum(bad, tl.max((vis & ((bt < 0) | (bt >= P))).to(tl.int32), axis=0))
+    tl.store(safe_ptr + b.to(tl.int64) * MAXP + j, tl.minimum(tl.maximum(bt, 0), P - 1), mask=m)
+    tl.atomic_max(flag_ptr + slot, stamp * 2 + bad)
+
+
+_CHECKS: dict = {}
+
+
+def check_tables(block_table, context_lens, P: int, page: int, L: int, flags, slot: int,
+                 stamp: int):
+    """Launch the value check of ``block_table`` [B, max_pages] and ``context_lens`` [B, S_q]
+    (int32) against a cache of P pages of ``page`` entries and L columns -> the block table
+    the kernels should read (a contiguous copy, the stream's workspace). ``flags, slot, stamp``: the call's
+    :func:`~dsv4lab.kernels.launch.value_check`."""
+    B, maxp = block_table.shape
+    S = context_lens.shape[1]
+    key = (block_table.device, B, maxp, block_table.stride(), S, context_lens.stride(), P,
+           page, L)
+    launch = _CHECKS.get(key)
+    if launch is None:
+        block_p = min(1024, max(16, triton.next_power_of_2(maxp)))
+        launch = _CHECKS[key] = Launch(check_tables_kernel, (B, triton.cdiv(maxp, block_p)), dict(
+            S=S, MAXP=maxp, P=P, L=L, n_bound=min(L, maxp * page),
+            stride_btb=block_table.stride(0), stride_clb=context_lens.stride(0),
+            stride_cls=context_lens.stride(1), PAGE=page,
+            BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_P=block_p),
+            device=block_table.device, guard=(0, 1), num_warps=4)
+    dev = block_table.device
+    safe = workspace(("indexer block table", B, maxp), dev,
+                     lambda: torch.empty((B, maxp), dtype=torch.int32, device=dev))
+    launch(block_table, context_lens, safe, flags, slot, stamp)
+    return safe
+
+
+@triton.jit(do_not_specialize=["slot", "stamp"])
+def cache_slots_kernel(idx_ptr, bt_ptr, out_ptr, flag_ptr, n_row, MAXP, stride_btb, slot,
+                       stamp, PAGE: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
+    """Logical positions of row ``program_id(0)`` -> flat cache slots
+    ``block_table[b, pos // PAGE] * PAGE + pos % PAGE`` (-1, and any position outside
+    [0, MAXP * PAGE), -> -1); ``CHECK``: ``flags[slot]`` raised to ``2 * stamp + bad``, bad
+    if a position is outside [-1, MAXP * PAGE)."""
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n_row
+    idx = tl.load(idx_ptr + b.to(tl.int64) * n_row + offs, mask=m, other=-1)
+    ok = (idx >= 0) & (idx < MAXP * PAGE)
+    pos = tl.where(ok, idx, 0)
+    phys = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + pos // PAGE, mask=m & ok, other=0)
+    slots = phys.to(tl.int64) * PAGE + pos % PAGE
+    tl.store(out_ptr + b.to(tl.int64) * n_row + offs, tl.where(ok, slots, -1).to(tl.int32),
+             mask=m)
+    if CHECK:
+        bad = m & ((idx < -1) | (idx >= MAXP * PAGE))
+        tl.atomic_max(flag_ptr + slot, stamp * 2 + tl.max(bad.to(tl.int32), axis=0))
+
+
+_SLOTS: dict = {}
+
+
+def cache_slots(indices, block_table, page_size: int, check=None):
+    """:func:`dsv4lab.ops.to_cache_slots` in one launch: indices [B, S_q, topk] (int32 or
+    int64, contiguous), block_table int32 [B, max_pages] -> int32 slots. ``check``: the call's
+    ``(flags, slot, stamp)`` (:func:`~dsv4lab.kernels.launch.value_check`), or None."""
+    B = indices.shape[0]
+    n_row = indices.numel() // max(1, B)
+    maxp = block_table.shape[1]
+    key = (indices.device, indices.dtype, B, n_row, maxp, block_table.stride(0), page_size,
+           check is not None)
+    launch = _SLOTS.get(key)
+    if launch is None:
+        block = min(1024, max(16, triton.next_power_of_2(n_row)))
+        launch = _SLOTS[key] = Launch(cache_slots_kernel, (B, triton.cdiv(n_row, block)), dict(
+            n_row=n_row, MAXP=maxp, stride_btb=block_table.stride(0), PAGE=page_size,
+            BLOCK=block, CHECK=check is not None), device=indices.device, guard=(0, 1),
+            num_warps=4)
+    out = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
+    flags, slot, stamp = check if check is not None else (out, 0, 0)
+    if out.numel():
+        launch(indices, block_table, out, flags, slot, stamp)
     return out
 
 

@@ -34,7 +34,8 @@ cost more than the math (a few KB per token). Here:
 The two passes over a token's streams in ``mhc_pre_kernel`` are ``tl.range(...,
 num_stages=...)`` loops: with no ``tl.dot`` in a loop the pipeliner leaves its loads alone
 unless asked. Both kernels use a fixed grid, no host synchronisation and no data-dependent
-shapes (safe inside CUDA-graph capture), fp32 math, and run in Triton's interpreter.
+shapes (safe inside CUDA-graph capture), fp32 math, and run in Triton's interpreter; their
+launches are planned once per shape (``kernels/launch.py``).
 Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.device import DeviceProps, Route, props as device_props
+from dsv4lab.kernels.launch import Launch, planned
 from dsv4lab.kernels.offline import Case
 
 
@@ -188,14 +190,25 @@ def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: tor
     comb = None if head else torch.empty((T, n, n), dtype=torch.float32, device=x.device)
     if T == 0:
         return y, post, comb
-    BLOCK_D, split, per = pre_launch(T, n, d, props or device_props(x.device), block_d=block_d,
-                                     split=split)
-    mhc_pre_kernel[(T, split)](
-        x, mixes, base, scale if not head else base, y,
-        post if not head else y, comb if not head else y, d, int(iters), float(eps), per,
-        N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D, HEAD=head, STAGES=STAGES,
-        num_warps=NUM_WARPS)
+    dev = x.device
+    launch = planned(_PRE, (dev, T, n, d, head, int(iters), block_d, split, props), dev,
+                     lambda: _pre_plan(dev, T, n, d, head, int(iters), block_d, split,
+                                       props or device_props(dev)))
+    launch(x, mixes, base, scale if not head else base, y, post if not head else y,
+           comb if not head else y, float(eps))
     return y, post, comb
+
+
+_PRE: dict = {}
+_POST: dict = {}
+
+
+def _pre_plan(device, T, n, d, head, iters, block_d, split, props) -> Launch:
+    BLOCK_D, split, per = pre_launch(T, n, d, props, block_d=block_d, split=split)
+    return Launch(mhc_pre_kernel, (T, split), dict(
+        D=d, iters=iters, blocks_per_split=per, N=n, NP=triton.next_power_of_2(n),
+        BLOCK_D=BLOCK_D, HEAD=head, STAGES=STAGES), device=device, guard=(0, 1, 2, 3),
+        num_warps=NUM_WARPS)
 
 
 def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
@@ -206,10 +219,13 @@ def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb
     y = torch.empty_like(residual)
     if T == 0:
         return y
+    dev = residual.device
     BLOCK_D = block_d or post_block(n, d)
-    mhc_post_kernel[(T, triton.cdiv(d, BLOCK_D))](
-        out, residual, post, comb, y, d, N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D,
-        num_warps=NUM_WARPS)
+    launch = planned(_POST, (dev, T, n, d, BLOCK_D), dev, lambda: Launch(
+        mhc_post_kernel, (T, triton.cdiv(d, BLOCK_D)),
+        dict(D=d, N=n, NP=triton.next_power_of_2(n), BLOCK_D=BLOCK_D), device=dev,
+        guard=(0, 1, 2, 3), num_warps=NUM_WARPS))
+    launch(out, residual, post, comb, y)
     return y
 
 

@@ -22,7 +22,9 @@ import math
 
 import torch
 
-from dsv4lab import backends, runtime
+from dsv4lab import backends
+from dsv4lab.kernels.launch import capturing
+from dsv4lab.ops import library
 from dsv4lab.quant import kv_fp8
 from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
 from dsv4lab.quant.kv_fp8 import unpack_kv_fp8
@@ -47,28 +49,75 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     D = 512, see :func:`dsv4lab.quant.pack_kv_fp8`); indices int32 [B, S_q, topk] with
     -1 for empty slots.
 
-    Checks. Shapes, dtypes, devices and the keywords: always, on the host (free). Values, with
-    ``validate`` (the default): every index -1 or in [0, N), and with the FP8 cache no scale
-    byte 255 (ue8m0 NaN) in the rows the indices select, checked on the device and read back
-    once (one host sync) before any kernel; skipped while a CUDA graph is being captured.
-    Callers that made the indices and the cache themselves (the engine, the benchmarks' timed
-    calls) pass ``validate=False``.
+    Checks. Shapes, dtypes, devices and the keywords: always, on the host (free; a call with
+    the argument signature of an earlier good call skips them). Values, with ``validate`` (the
+    default): every index -1 or in [0, N), and with the FP8 cache no scale byte 255 (ue8m0
+    NaN) in the rows the indices select. With a Triton backend one check kernel runs before
+    the attention kernels: it hands them the indices with every bad one made -1
+    (so none reads outside the cache) and sets a flag, read back after they were launched (the
+    call's one host sync, overlapping their run); a bad value then raises the ValueError
+    naming it and the output is never returned. The torch reference backend runs the same
+    checks in torch before the call. Skipped while a CUDA graph is being captured.
+    ``validate=False`` (the engine, the benchmarks' timed calls: they made the indices and the
+    cache themselves) does no value work at all.
+
+    Under ``torch.compile`` the call is the custom op ``torch.ops.dsv4lab.sparse_mla_decode``
+    (:mod:`dsv4lab.ops.library`), without value checks.
 
     Explained in notebooks/01_simt_baseline.ipynb and notebooks/02_mma_attention.ipynb.
     """
-    kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink)
-    if not isinstance(validate, bool):
-        raise ValueError(f"validate must be True or False, got {validate!r}")
-    impl = backends.resolve(OP, backend, fmt="fp8" if fp8 else "dense", device=q.device)
-    if validate and not runtime.is_capturing(q):
-        _check_values(kv, kv_flat, indices, fp8)
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.sparse_mla_decode(q, kv, indices, attn_sink, d_v=d_v,
+                                                    softmax_scale=softmax_scale, backend=backend)
+    try:
+        key = (q.shape, q.dtype, q.device, kv.shape, kv.dtype, kv.device, indices.shape,
+               indices.dtype, indices.device, d_v, softmax_scale, backend, validate,
+               None if attn_sink is None else (attn_sink.shape, attn_sink.dtype, attn_sink.device))
+        known = _SIGNATURES.get(key)
+    except (AttributeError, TypeError):         # not tensors, or an unhashable keyword
+        key = known = None
+    if known is None:
+        kv_flat, fp8, scale, sink = _check(q, kv, indices, d_v, softmax_scale, attn_sink)
+        if not isinstance(validate, bool):
+            raise ValueError(f"validate must be True or False, got {validate!r}")
+        impl = library.resolve(OP, backend, fmt="fp8" if fp8 else "dense", device=q.device)
+        if key is not None:
+            if len(_SIGNATURES) >= 4096:
+                _SIGNATURES.clear()
+            _SIGNATURES[key] = (kv_flat.shape[-1], fp8, scale, impl)
+    else:
+        row, fp8, scale, impl = known
+        kv_flat = kv if kv.dim() == 2 else kv.reshape(-1, row)
+        sink = attn_sink
+        if sink is not None and (sink.dtype != torch.float32 or not sink.is_contiguous()):
+            sink = sink.float().contiguous()
     if impl.kind == "triton":
         if not kv.is_contiguous():
             raise ValueError("kv must be contiguous for the Triton backends (a cache allocated "
                              f"as one tensor is); got strides {tuple(kv.stride())}")
-        q = q.contiguous()
-        indices = indices.contiguous()
-    return impl.fn(q, kv_flat, indices, d_v=d_v, scale=scale, sink=sink, fp8=fp8)
+        if not q.is_contiguous():
+            q = q.contiguous()
+        if not indices.is_contiguous():
+            indices = indices.contiguous()
+    verdict = None
+    checked = indices
+    if validate and not capturing(q.device):
+        if impl.kind == "triton":
+            checked, verdict = _kernels().check_indices(checked, kv_flat, fp8)
+        else:
+            _check_values(kv, kv_flat, indices, fp8)
+    out = impl.fn(q, kv_flat, checked, d_v=d_v, scale=scale, sink=sink, fp8=fp8)
+    if verdict is not None and verdict.failed():
+        _check_values(kv, kv_flat, indices, fp8)
+    return out
+
+
+_SIGNATURES: dict = {}      # argument signatures that passed _check -> what it worked out
+
+
+def _kernels():
+    from dsv4lab.kernels.attention import dispatch
+    return dispatch
 
 
 def _check(q, kv, indices, d_v, softmax_scale, attn_sink):
@@ -135,8 +184,8 @@ def _check(q, kv, indices, d_v, softmax_scale, attn_sink):
 
 
 def _check_values(kv, kv_flat, indices, fp8):
-    """The value checks of :func:`sparse_mla_decode` (one host sync; a second only to name
-    what is wrong)."""
+    """The value checks of :func:`sparse_mla_decode` in torch (one host sync; a second only to
+    name what is wrong): the CPU path, and the explanation after the check kernel's flag."""
     N = kv_flat.shape[0]
     lo, hi = torch.aminmax(indices)
     flags = [lo.to(torch.int64), hi.to(torch.int64)]
@@ -212,5 +261,4 @@ def sparse_mla_decode_simt(q, kv_flat, indices, *, d_v, scale, sink, fp8):
 def sparse_mla_decode_mma(q, kv_flat, indices, *, d_v, scale, sink, fp8):
     """The family's dispatch (kernels/attention/dispatch.py): lesson 2's tensor-core kernel,
     or the warp-specialised sm_90 kernel where its route applies."""
-    from dsv4lab.kernels.attention import dispatch
-    return dispatch.sparse_mla_decode(q, kv_flat, indices, sink, scale, d_v, fp8=fp8)
+    return _kernels().sparse_mla_decode(q, kv_flat, indices, sink, scale, d_v, fp8=fp8)

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4lab import backends, runtime
+from dsv4lab import backends
+from dsv4lab.kernels.launch import capturing, value_check
+from dsv4lab.ops import library
 
 FP8 = torch.float8_e4m3fn
 Q_DTYPES = (FP8, torch.bfloat16, torch.float32)
@@ -43,10 +45,8 @@ def _dtype_names(dts) -> str:
 
 def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context,
                   topk=None, validate=True) -> int:
-    """Shape/dtype/device checks, then (``validate``, and no CUDA graph capturing) the values.
-
-    Returns L, the logical width of the logits. Raises ValueError naming the argument.
-    """
+    """The shape, dtype, device and keyword checks. Returns L, the logical width of the
+    logits. Raises ValueError naming the argument."""
     for name, x in (("q", q), ("k_cache", k_cache), ("k_scale", k_scale),
                     ("weights", weights), ("block_table", block_table),
                     ("context_lens", context_lens)):
@@ -107,14 +107,56 @@ def _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_c
             raise ValueError(f"topk must be a positive int, got {topk!r}")
     if not isinstance(validate, bool):
         raise ValueError(f"validate must be a bool, got {validate!r}")
-    if validate and not runtime.is_capturing(q):
-        _check_values(block_table, context_lens, P, page, L)
     return L
 
 
+_SIGNATURES: dict = {}      # argument signatures that passed _check_inputs -> (L, backend)
+
+
+def _prepare(op, q, k_cache, k_scale, weights, block_table, context_lens, max_context, topk,
+             validate, backend):
+    """(L, backend) of a call: worked out by :func:`_check_inputs` and resolution, once per
+    argument signature."""
+    try:
+        key = (op, q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.device,
+               k_scale.shape, k_scale.dtype, k_scale.device, weights.shape, weights.dtype,
+               weights.device, block_table.shape, block_table.dtype, block_table.device,
+               context_lens.shape, context_lens.dtype, context_lens.device, max_context, topk,
+               validate, backend)
+        known = _SIGNATURES.get(key)
+    except (AttributeError, TypeError):
+        key = known = None
+    if known is not None:
+        return known
+    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context,
+                      topk, validate)
+    known = (L, library.resolve(op, backend, device=q.device))
+    if key is not None:
+        if len(_SIGNATURES) >= 4096:
+            _SIGNATURES.clear()
+        _SIGNATURES[key] = known
+    return known
+
+
+def _value_check(block_table, context_lens, k_cache, L, validate):
+    """-> (the block table the backend reads, the check's verdict or None). With
+    ``validate`` (and no capture): on a GPU or in the interpreter the check kernel (it hands
+    over a copy with every entry clamped to a page id); else the torch checks, at once."""
+    dev = block_table.device
+    if not validate or capturing(dev):
+        return block_table, None
+    P, page = k_cache.shape[:2]
+    if not library.triton_runs(dev):
+        _check_values(block_table, context_lens, P, page, L)
+        return block_table, None
+    from dsv4lab.kernels import indexer as K
+    flags, slot, stamp, verdict = value_check(dev)
+    return K.check_tables(block_table, context_lens, P, page, L, flags, slot, stamp), verdict
+
+
 def _check_values(block_table, context_lens, P, page, L):
-    """One device->host read: context_lens in [0, L]; the page ids of visible pages (those
-    holding an entry below the row's longest context) in [0, P)."""
+    """The value checks in torch, one device->host read: context_lens in [0, L]; the page ids
+    of visible pages (those holding an entry below the row's longest context) in [0, P)."""
     c_lo, c_hi = torch.aminmax(context_lens)
     starts = torch.arange(0, block_table.shape[1] * page, page, dtype=torch.int32,
                           device=block_table.device)                 # each page's first entry
@@ -243,37 +285,57 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
     (in entries) or max_pages * page. The matmul runs in the wider of q's and k's dtypes
     (fp8 x fp8 on FP8 tensor cores where the GPU has them), accumulating in fp32.
 
-    Checks: shapes, dtypes and devices always, on the host (no device work). With
-    ``validate=True`` also the values, in one device-to-host read: ``context_lens`` in
-    [0, L] and the block-table entries of visible pages in [0, P); skipped while a CUDA
-    graph is being captured. ``validate=False`` skips them (for callers that wrote the
-    tables themselves: the engine, a captured step); a bad page id then reads outside the
-    cache.
+    Checks: shapes, dtypes and devices always, on the host (no device work; a call with the
+    argument signature of an earlier good call skips them). With ``validate=True`` also the
+    values: ``context_lens`` in [0, L] and the block-table entries of visible pages in [0, P).
+    On a GPU (or in the interpreter) one check kernel runs before the indexer's kernels: it
+    hands them a copy of the block table with every entry clamped to a page id (no read
+    outside the cache) and sets a flag, read back once they were launched (the call's one
+    host sync); a bad value raises the ValueError naming it, the result is never returned.
+    On the CPU without the interpreter the torch checks run first. Skipped while a CUDA graph
+    is being captured; ``validate=False`` (callers that wrote the tables themselves: the
+    engine, a captured step) does no value work, and a bad page id then reads outside the
+    cache. Under ``torch.compile``: the custom op ``torch.ops.dsv4lab.indexer_logits``.
 
     Explained in notebooks/03_indexer_capping.ipynb.
     """
-    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context,
-                      validate=validate)
-    be = backends.resolve("indexer_logits", backend, device=q.device)
-    return be.fn(q, k_cache, k_scale, weights, block_table, context_lens, L)
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.indexer_logits(q, k_cache, k_scale, weights, block_table,
+                                                 context_lens, max_context=max_context,
+                                                 backend=backend)
+    L, be = _prepare("indexer_logits", q, k_cache, k_scale, weights, block_table,
+                     context_lens, max_context, None, validate, backend)
+    bt, verdict = _value_check(block_table, context_lens, k_cache, L, validate)
+    out = be.fn(q, k_cache, k_scale, weights, bt, context_lens, L)
+    if verdict is not None and verdict.failed():
+        _check_values(block_table, context_lens, *k_cache.shape[:2], L)
+    return out
 
 
 def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, *,
                  max_context=None, topk=512, backend="auto", validate=True):
     """Top-``topk`` logical entry positions per query: int32 [B, S_q, topk].
 
-    Same inputs and checks as :func:`indexer_logits` (``validate`` included). Positions are
-    in [0, context_lens[b, s]); -1 fills the slots when fewer than ``topk`` entries are
+    Same inputs and checks as :func:`indexer_logits` (``validate`` included: one check
+    kernel, read back after the logits and top-k kernels). Positions are in
+    [0, context_lens[b, s]); -1 fills the slots when fewer than ``topk`` entries are
     visible (the -1 come last). Ties at the k-th score are broken arbitrarily; the order of
     the kept positions is unspecified (torch backends: by descending score; triton: by
-    ascending position).
+    ascending position). Under ``torch.compile``: ``torch.ops.dsv4lab.indexer_topk``.
 
     Explained in notebooks/03_indexer_capping.ipynb.
     """
-    L = _check_inputs(q, k_cache, k_scale, weights, block_table, context_lens, max_context, topk,
-                      validate)
-    be = backends.resolve("indexer_topk", backend, device=q.device)
-    return be.fn(q, k_cache, k_scale, weights, block_table, context_lens, L, topk)
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.indexer_topk(q, k_cache, k_scale, weights, block_table,
+                                               context_lens, max_context=max_context, topk=topk,
+                                               backend=backend)
+    L, be = _prepare("indexer_topk", q, k_cache, k_scale, weights, block_table, context_lens,
+                     max_context, topk, validate, backend)
+    bt, verdict = _value_check(block_table, context_lens, k_cache, L, validate)
+    out = be.fn(q, k_cache, k_scale, weights, bt, context_lens, L, topk)
+    if verdict is not None and verdict.failed():
+        _check_values(block_table, context_lens, *k_cache.shape[:2], L)
+    return out
 
 
 def to_cache_slots(indices, block_table, page_size, *, validate=True):
@@ -281,11 +343,16 @@ def to_cache_slots(indices, block_table, page_size, *, validate=True):
 
     indices int32 [B, S_q, topk] (-1 kept as -1); block_table int32 [B, max_pages]. The
     result indexes a cache viewed as [P * page, ...] (what ``sparse_mla_decode`` takes).
-    Shapes and dtypes are checked always; with ``validate=True`` (one device-to-host read,
-    skipped while capturing) also that every index is -1 or below max_pages * page_size.
+    Shapes and dtypes are checked always; with ``validate=True`` also that every index is -1
+    or below max_pages * page_size (skipped while capturing). On a GPU the mapping is one
+    kernel that also sets the check's flag, read back after it (one host sync); on the CPU
+    torch ops, the check first. An index outside the range maps to -1. Under
+    ``torch.compile``: ``torch.ops.dsv4lab.to_cache_slots``.
 
     Explained in notebooks/03_indexer_capping.ipynb.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.to_cache_slots(indices, block_table, page_size)
     if not isinstance(indices, torch.Tensor):
         raise ValueError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
     if not isinstance(block_table, torch.Tensor):
@@ -305,19 +372,37 @@ def to_cache_slots(indices, block_table, page_size, *, validate=True):
         raise ValueError(f"indices and block_table must be on one device, got "
                          f"{indices.device} and {block_table.device}")
     max_pages = block_table.shape[1]
+    check = validate and not capturing(indices.device)
+    if indices.is_cuda:
+        from dsv4lab.kernels import indexer as K
+        if not indices.is_contiguous():
+            indices = indices.contiguous()
+        if block_table.stride(1) != 1:
+            block_table = block_table.contiguous()
+        flags, slot, stamp, verdict = value_check(indices.device) if check else (None,) * 4
+        out = K.cache_slots(indices, block_table, page_size,
+                            check=(flags, slot, stamp) if check else None)
+        if check and verdict.failed():
+            _bad_positions(indices, max_pages * page_size)
+        return out
     idx = indices.long()
-    valid = idx >= 0
-    if validate and not runtime.is_capturing(indices):
-        bad = (valid & (idx >= max_pages * page_size)) | (idx < -1)
-        if bool(bad.any()):
-            raise ValueError(f"indices must be -1 or logical positions in [0, max_pages * "
-                             f"page_size = {max_pages * page_size})")
+    valid = (idx >= 0) & (idx < max_pages * page_size)
+    if check:
+        _bad_positions(indices, max_pages * page_size)
     safe = torch.where(valid, idx, 0)
-    pidx = (safe // page_size).clamp(max=max_pages - 1)
+    pidx = safe // page_size
     B = indices.shape[0]
     phys = torch.gather(block_table.long(), 1, pidx.reshape(B, -1)).reshape(idx.shape)
     slots = phys * page_size + safe % page_size
     return torch.where(valid, slots, -1).to(torch.int32)
+
+
+def _bad_positions(indices, width: int) -> None:
+    """ValueError if an index is neither -1 nor in [0, width) (one host sync)."""
+    idx = indices.long()
+    if bool(((idx < -1) | (idx >= width)).any()):
+        raise ValueError(f"indices must be -1 or logical positions in [0, max_pages * "
+                         f"page_size = {width})")
 
 
 # -------------------------------------------------------------------- cost model

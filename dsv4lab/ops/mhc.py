@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from dsv4lab import backends
+from dsv4lab.ops import library
 from dsv4lab.ops.linear import linear
 
 OP = "mhc"
@@ -198,12 +199,12 @@ def _pick(backend, device, tensors):
     if backend == "auto" and (grad or device.type != "cuda"):
         backend = "torch" if grad else AUTO_CPU_BACKEND
     elif grad and backend != "torch":
-        be = backends.resolve(OP, backend, device=device)      # unknown/unavailable first
+        be = library.resolve(OP, backend, device=device)       # unknown/unavailable first
         if be.kind != "torch":
             raise backends.BackendUnavailable(
                 f"{OP}: backend {backend!r} has no backward and an input requires grad; "
                 f"use 'torch' or run under torch.no_grad()")
-    return backends.resolve(OP, backend, device=device)
+    return library.resolve(OP, backend, device=device)
 
 
 # -------------------------------------------------------------------- public ops
@@ -217,9 +218,13 @@ def mhc_pre(x, fn, base, scale, *, iters, eps=1e-6, backend="auto"):
     iterations). See the module docstring for the math.
 
     Checks: shapes, dtypes, devices and the scalar arguments, on the host; no value checks.
+    Under ``torch.compile``: the custom op ``torch.ops.dsv4lab.mhc_pre``.
 
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.mhc_pre(x, fn, base, scale, iters=iters, eps=float(eps),
+                                         backend=backend)
     n, d = _check_streams(x)
     M = (2 + n) * n
     _check_weights(fn, base, n, d, M)
@@ -242,10 +247,13 @@ def mhc_post(out, residual, post, comb, *, backend="auto"):
     read), post [..., n] and comb [..., n, n] (from ``mhc_pre``, fp32). Returns
     [..., n, d] in residual's dtype; the math runs in fp32.
 
-    Checks: shapes, dtypes and devices, on the host; no value checks.
+    Checks: shapes, dtypes and devices, on the host; no value checks. Under
+    ``torch.compile``: the custom op ``torch.ops.dsv4lab.mhc_post``.
 
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.mhc_post(out, residual, post, comb, backend=backend)
     for name, t in (("out", out), ("residual", residual), ("post", post), ("comb", comb)):
         _tensor(name, t)
         _float(name, t)
@@ -273,10 +281,13 @@ def mhc_head(x, fn, base, *, eps=1e-6, backend="auto"):
 
     x [..., n, d]; fn [n, n*d]; base [n]. Returns y [..., d] in x's dtype.
 
-    Checks: shapes, dtypes, devices and ``eps``, on the host; no value checks.
+    Checks: shapes, dtypes, devices and ``eps``, on the host; no value checks. Under
+    ``torch.compile``: the custom op ``torch.ops.dsv4lab.mhc_head``.
 
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.mhc_head(x, fn, base, eps=float(eps), backend=backend)
     n, d = _check_streams(x)
     _check_weights(fn, base, n, d, n)
     _check_eps(eps)

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from dsv4lab import backends
 from dsv4lab.runtime import is_capturing as _is_capturing
 from dsv4lab.backends import BackendUnavailable
+from dsv4lab.kernels.launch import value_check
+from dsv4lab.ops import library
 from dsv4lab.quant.fp4 import mxfp4_dequantize, nvfp4_dequantize
 
 __all__ = ["route", "hash_route", "fused_moe", "moe_dense", "swiglu", "check_fused_moe_args",
@@ -74,8 +76,13 @@ def route(router_logits: torch.Tensor, bias: torch.Tensor | None, *, topk: int =
 
     ``bias [E]`` shifts the scores for selection only (noaux_tc); weights are the unbiased
     scores of the chosen experts, normalised to sum 1 (``norm_topk_prob``) and scaled.
-    Explained in notebooks/04_mxfp4_moe_port.ipynb.
+    Under ``torch.compile``: the custom op ``torch.ops.dsv4lab.route``. Explained in
+    notebooks/04_mxfp4_moe_port.ipynb.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.route(router_logits, bias, topk=topk, score=score,
+                                       routed_scaling_factor=float(routed_scaling_factor),
+                                       norm_topk_prob=norm_topk_prob)
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise ValueError(f"router_logits must be a [T, E] tensor, got "
                          f"{getattr(router_logits, 'shape', type(router_logits).__name__)}")
@@ -109,8 +116,14 @@ def hash_route(token_ids: torch.Tensor, table: torch.Tensor, router_logits: torc
     ``routed_scaling_factor / k``. Checks: shapes, dtypes and devices always; with
     ``validate`` also the values in one host sync (token ids inside the table; with logits,
     the table's expert ids inside ``[0, E)``, each table checked once), skipped while a CUDA
-    graph is being captured. Explained in notebooks/04_mxfp4_moe_port.ipynb.
+    graph is being captured. Under ``torch.compile``: the custom op
+    ``torch.ops.dsv4lab.hash_route`` (no value checks). Explained in
+    notebooks/04_mxfp4_moe_port.ipynb.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.dsv4lab.hash_route(token_ids, table, router_logits, score=score,
+                                            routed_scaling_factor=float(routed_scaling_factor),
+                                            norm_topk_prob=norm_topk_prob)
     if not isinstance(token_ids, torch.Tensor) or token_ids.dtype not in _INTS or token_ids.dim() != 1:
         raise ValueError(f"token_ids must be a 1-D int32/int64 tensor [T], got "
                          f"{getattr(token_ids, 'dtype', type(token_ids).__name__)} "
@@ -280,9 +293,25 @@ def _scale_key(s: torch.Tensor) -> tuple:
     return (s.data_ptr(), tuple(s.shape), tuple(s.stride()), s.dtype, str(s.device), s._version)
 
 
+_SEEN_CLEAN: dict = {}      # id(tensor) -> (weak ref, version, data_ptr, shape, strides): a fast look-up
+
+
 def _known_clean(s: torch.Tensor) -> bool:
+    seen = _SEEN_CLEAN.get(id(s))
+    if seen is not None and seen[0]() is s and seen[1] == s._version \
+            and seen[2] == s.data_ptr() and seen[3] == s.shape and seen[4] == s.stride():
+        return True
     ref = _CLEAN_SCALES.get(_scale_key(s))
-    return ref is not None and ref() is s
+    if ref is not None and ref() is s:
+        _remember_clean(s)
+        return True
+    return False
+
+
+def _remember_clean(s: torch.Tensor) -> None:
+    if len(_SEEN_CLEAN) >= _CLEAN_SCALES_MAX:
+        _SEEN_CLEAN.clear()
+    _SEEN_CLEAN[id(s)] = (weakref.ref(s), s._version, s.data_ptr(), s.shape, s.stride())
 
 
 def _nan_scale_bytes(s: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -328,6 +357,7 @@ def check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, *, fm
         if len(_CLEAN_SCALES) >= _CLEAN_SCALES_MAX:
             _CLEAN_SCALES.clear()
         _CLEAN_SCALES[_scale_key(s)] = weakref.ref(s)
+        _remember_clean(s)
 
 
 def moe_dense(x, w13, w2, topk_ids, topk_weights, *, swiglu_limit=None, compute_dtype=None):
@@ -436,20 +466,97 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     scales uint8 E8M0 ``[.., K/32]`` (mxfp4) or float8_e4m3fn ``[.., K/16]`` with fp32
     global scales (a float, 0-d or per-expert [E]) for nvfp4. ``topk_ids`` -1 is skipped.
 
-    Checks: shapes, dtypes and devices always, on the host (free). With ``validate`` (the
-    default) also the values, before any kernel, in one host sync: ``topk_ids`` in [-1, E),
-    finite ``topk_weights`` and ``x``, and no NaN scale byte (E8M0 255, E4M3 0x7F/0xFF) in
-    ``w13_scale`` / ``w2_scale``, each scale tensor checked once (its verdict kept while its
-    storage and version are the same). While a CUDA graph is being captured the value checks
-    are skipped (no host sync possible); callers that made the data themselves may pass
-    ``validate=False``. Explained in notebooks/04_mxfp4_moe_port.ipynb.
+    Checks: shapes, dtypes and devices always, on the host (free; a call with the argument
+    signature of an earlier good call skips them). With ``validate`` (the default) also the
+    values: ``topk_ids`` in [-1, E), finite ``topk_weights`` and ``x``, and no NaN scale byte
+    (E8M0 255, E4M3 0x7F/0xFF) in ``w13_scale`` / ``w2_scale``. The scales are checked once
+    per tensor, where a model first uses them (torch ops and one host sync; the verdict kept
+    while the tensor's storage and version are the same). With the Triton backend the rest is
+    one check kernel before the MoE's kernels: it hands them the expert ids with every bad one
+    made -1 (no kernel reads outside the weights) and sets a flag, read back after they were
+    launched (the call's one host sync, overlapping their run); a bad value raises the
+    ValueError naming it and the output is never returned. Other backends check in torch
+    first (one host sync). While a CUDA graph is being captured the value checks are skipped;
+    callers that made the data themselves pass ``validate=False`` (no value work at all).
+    Under ``torch.compile``: the custom op ``torch.ops.dsv4lab.fused_moe``. Explained in
+    notebooks/04_mxfp4_moe_port.ipynb.
     """
-    E, inter, g13, g2 = check_fused_moe_args(
-        x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
-        w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit, validate=validate)
-    chosen = backends.resolve("fused_moe", backend, fmt=fmt, device=x.device)
+    if torch.compiler.is_compiling():
+        E = w13.shape[0]
+        g13, g2 = (None, None) if fmt == "mxfp4" else (
+            _global_tensor(w13_global, E, x.device), _global_tensor(w2_global, E, x.device))
+        return torch.ops.dsv4lab.fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids,
+                                           topk_weights, g13, g2, fmt=fmt,
+                                           swiglu_limit=None if swiglu_limit is None
+                                           else float(swiglu_limit), backend=backend)
+    try:
+        key = (x.shape, x.dtype, x.device, w13.shape, w13.dtype, w13.device, w13_scale.shape,
+               w13_scale.dtype, w13_scale.device, w2.shape, w2.dtype, w2.device, w2_scale.shape,
+               w2_scale.dtype, w2_scale.device, topk_ids.shape, topk_ids.dtype, topk_ids.device,
+               topk_weights.shape, topk_weights.dtype, topk_weights.device, fmt, swiglu_limit,
+               backend, validate, w13_global is None and w2_global is None)
+        chosen = _SIGNATURES.get(key)
+    except (AttributeError, TypeError):
+        key = chosen = None
+    if chosen is None or fmt != "mxfp4":
+        E, inter, g13, g2 = check_fused_moe_args(
+            x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
+            w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit,
+            validate=False)
+        if not isinstance(validate, bool):
+            raise ValueError(f"validate must be True or False, got {validate!r}")
+        chosen = library.resolve("fused_moe", backend, fmt=fmt, device=x.device)
+        if key is not None:
+            if len(_SIGNATURES) >= 4096:
+                _SIGNATURES.clear()
+            _SIGNATURES[key] = chosen
+    else:
+        g13 = g2 = None
     if x.shape[0] == 0:
         return torch.zeros_like(x)
-    return chosen.fn(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, fmt=fmt,
-                     w13_global=g13, w2_global=g2,
-                     swiglu_limit=None if swiglu_limit is None else float(swiglu_limit))
+    limit = None if swiglu_limit is None else float(swiglu_limit)
+    verdict = None
+    ids = topk_ids
+    if validate and not _is_capturing(x):
+        if chosen.kind == "triton":
+            _check_scales(w13_scale, w2_scale, fmt)
+            x, ids, topk_weights = (t if t.is_contiguous() else t.contiguous()
+                                    for t in (x, topk_ids, topk_weights))
+            from dsv4lab.kernels.moe import dispatch
+            flags, slot, stamp, verdict = value_check(x.device)
+            ids = dispatch.check_routing(x, ids, topk_weights, w13.shape[0], flags, slot, stamp)
+        else:
+            check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, fmt=fmt)
+    out = chosen.fn(x, w13, w13_scale, w2, w2_scale, ids, topk_weights, fmt=fmt,
+                    w13_global=g13, w2_global=g2, swiglu_limit=limit)
+    if verdict is not None and verdict.failed():
+        check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, fmt=fmt)
+    return out
+
+
+_SIGNATURES: dict = {}      # argument signatures that passed check_fused_moe_args -> backend
+
+
+def _global_tensor(g, E: int, device) -> torch.Tensor | None:
+    """An NVFP4 global scale as the custom op takes it: a float becomes an fp32 [E] tensor."""
+    if isinstance(g, (int, float)) and not isinstance(g, bool):
+        return torch.full((E,), float(g), dtype=torch.float32, device=device)
+    return g
+
+
+def _check_scales(w13_scale, w2_scale, fmt) -> None:
+    """The scale tensors' NaN bytes, each tensor once (torch ops and one host sync)."""
+    fresh = [(n, s) for n, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale))
+             if s.numel() and not _known_clean(s)]
+    if not fresh:
+        return
+    got = torch.stack([_nan_scale_bytes(s, fmt).long() for _, s in fresh]).tolist()
+    for (name, s), bad in zip(fresh, got):
+        if bad:
+            what = ("contain 255, the E8M0 NaN encoding" if fmt == "mxfp4"
+                    else "contain NaN (E4M3 0x7F/0xFF)")
+            raise ValueError(f"{name}: scales {what}")
+        if len(_CLEAN_SCALES) >= _CLEAN_SCALES_MAX:
+            _CLEAN_SCALES.clear()
+        _CLEAN_SCALES[_scale_key(s)] = weakref.ref(s)
+        _remember_clean(s)

@@ -8,7 +8,9 @@ The Triton kernel's configuration comes from the device, never from its name: th
 measured on the H200 (:data:`TUNED`, keyed by capability) where they apply, else
 :func:`portable_config` by the shared memory a block may have. Either way the first call on a
 GPU launches a configuration that fits, with no timing and no host synchronisation; a plan is
-computed once per (device, shape) and cached (:func:`plan`). tests/test_portability.py
+computed once per (device, shape) and cached (:func:`plan`), and so are its launches
+(:func:`launches`, through ``kernels/launch.py``). :func:`check_indices` is the op's value
+check: one launch, read back after the kernels. tests/test_portability.py
 compiles every launch :func:`offline_cases` lists for sm_80, 89, 90, 100 and 120.
 """
 from __future__ import annotations
@@ -19,10 +21,12 @@ from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 
-from dsv4lab.kernels.attention.mma import Config, plan_splits, sparse_mla_mma, split_rows
+from dsv4lab.kernels.attention.mma import Config, mma_launches, plan_splits, split_rows
 from dsv4lab.kernels.device import (DeviceProps, Route, choose, gluon_unsupported, interpreting,
                                     props)
+from dsv4lab.kernels.launch import Launch, value_check, workspace
 
 OP = "sparse_mla_decode"
 SM90 = frozenset({(9, 0)})
@@ -139,32 +143,98 @@ def _triton_plan(p: DeviceProps, B, S_q, H, topk, shape) -> Plan:
     return Plan("mma", cfg, splits, rows, False, cfg.evict_kv)
 
 
+_CALLS: dict = {}
+
+
 def sparse_mla_decode(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=None,
                       kernel=None):
     """The family's entry: plan the call on q's device and launch it. q [B, S_q, H, D]
     contiguous; kv [N, D] in q's dtype or uint8 [N, 584] (``fp8``), contiguous; indices int32
     [B, S_q, topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v], lse fp32 [B, S_q, H]).
     ``num_splits`` overrides the plan's split-KV ranges (1: never split); ``kernel="mma"`` runs
-    the portable kernel where the table would pick a fast path (the benchmark's evidence)."""
+    the portable kernel where the table would pick a fast path (the benchmark's evidence).
+    The launches of a (device, shape, alignment) are planned once (:func:`launches`); a call
+    then costs a dict lookup, two allocations and its launches."""
     B, S_q, H, D = q.shape
-    p = props(q.device)
-    topk = indices.shape[-1]
-    aligned = q.data_ptr() % 16 == 0 and kv.data_ptr() % 16 == 0
-    pl = plan(p, B=B, S_q=S_q, H=H, D=D, d_v=d_v, topk=topk, q_dtype=q.dtype, fp8=fp8,
+    qp, kp = q.data_ptr(), kv.data_ptr()
+    key = (q.device, B, S_q, H, D, d_v, indices.shape[-1], q.dtype, fp8, not (qp | kp) & 15,
+           not kp & 7, sink is not None, num_splits, kernel)
+    call = _CALLS.get(key)
+    if call is None:
+        call = _CALLS[key] = launches(*key)
+    return call(q, kv, indices, sink, scale)
+
+
+def launches(device, B, S_q, H, D, d_v, topk, q_dtype, fp8, aligned, word_aligned, has_sink,
+             num_splits=None, kernel=None):
+    """The launches of one call shape (``mma.MmaLaunches`` or ``ws_sm90.WsLaunches``), by
+    :func:`plan`'s route and configuration."""
+    p = props(device)
+    pl = plan(p, B=B, S_q=S_q, H=H, D=D, d_v=d_v, topk=topk, q_dtype=q_dtype, fp8=fp8,
               aligned=aligned)
     if kernel not in (None, pl.kernel):
         if kernel != "mma":
             raise ValueError(f"kernel must be None or 'mma' (the portable kernel), got {kernel!r}")
         pl = _triton_plan(p, B, S_q, H, topk, dict(rows=B * S_q, heads=H, dim=D, d_v=d_v,
-                                                   q_dtype=q.dtype, fp8=fp8))
+                                                   q_dtype=q_dtype, fp8=fp8))
+    splits, rows = (pl.splits, pl.split_rows) if num_splits is None else \
+        split_rows(num_splits, topk)
     if pl.kernel == "ws_sm90":
         from dsv4lab.kernels.attention import ws_sm90
-        splits, rows = (pl.splits, pl.split_rows) if num_splits is None else \
-            split_rows(num_splits, topk)
-        return ws_sm90.sparse_mla_ws(q, kv, indices, sink, scale, splits, rows, lazy=pl.lazy,
-                                     evict_kv=pl.evict_kv)
-    return sparse_mla_mma(q, kv, indices, sink, scale, d_v, pl.config, fp8=fp8,
-                          num_splits=pl.splits if num_splits is None else num_splits)
+        return ws_sm90.ws_launches(device, B, S_q, q_dtype, topk, fp8=fp8, splits=splits,
+                                   split_rows=rows, has_sink=has_sink, lazy=pl.lazy,
+                                   evict_kv=pl.evict_kv)
+    fp8_hw = interpreting() or device.type != "cuda" or p.capability >= (8, 9)
+    return mma_launches(device, B, S_q, H, D, d_v, topk, q_dtype, pl.config, fp8=fp8,
+                        splits=splits, rows_per_split=rows, has_sink=has_sink,
+                        word_aligned=word_aligned, fp8_hw=fp8_hw)
+
+
+# ----------------------------------------------------------------------------------------
+# The value check: one launch before the kernels, read back after them
+# ----------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["slot", "stamp"])
+def check_indices_kernel(idx_ptr, safe_ptr, kv_ptr, flag_ptr, n, N, slot, stamp,
+                         BLOCK: tl.constexpr, FP8: tl.constexpr):
+    """``safe`` = the indices with every one outside [-1, N) made -1 (so no kernel reads
+    outside the cache), and ``flags[slot]`` raised to ``2 * stamp + bad``: bad if an index
+    is outside [-1, N) or, with the FP8 cache, a selected row holds the scale byte 255."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    idx = tl.load(idx_ptr + offs, mask=m, other=-1)
+    ok = (idx >= 0) & (idx < N)
+    bad = (idx < -1) | (idx >= N)
+    tl.store(safe_ptr + offs, tl.where(ok, idx, -1), mask=m)
+    if FP8:
+        j = tl.arange(0, 8)
+        rows = tl.where(ok, idx, 0).to(tl.int64)
+        sb = tl.load(kv_ptr + rows[:, None] * 584 + 576 + j[None, :],
+                     mask=ok[:, None] & (j < 7)[None, :], other=0)
+        bad = bad | (tl.max((sb == 255).to(tl.int32), axis=1) > 0)
+    tl.atomic_max(flag_ptr + slot, stamp * 2 + tl.max(bad.to(tl.int32), axis=0))
+
+
+_CHECKS: dict = {}
+
+
+def check_indices(indices, kv, fp8: bool):
+    """Launch the value check of ``indices`` (contiguous int32) against ``kv`` [N, row] ->
+    (the indices the kernels should read, the :class:`~dsv4lab.kernels.launch.Verdict` to
+    read after them)."""
+    dev = indices.device
+    n, N = indices.numel(), kv.shape[0]
+    key = (dev, n, N, fp8)
+    launch = _CHECKS.get(key)
+    if launch is None:
+        block = 128 if interpreting() else 1024
+        launch = _CHECKS[key] = Launch(check_indices_kernel, (triton.cdiv(n, block),),
+                                       dict(n=n, N=N, BLOCK=block, FP8=fp8), device=dev,
+                                       num_warps=4, guard=(0, 2))
+    safe = workspace(("mla indices", indices.shape), dev, lambda: torch.empty_like(indices))
+    flags, slot, stamp, verdict = value_check(dev)
+    launch(indices, safe, kv, flags, slot, stamp)
+    return safe, verdict
 
 
 # ----------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from dsv4lab.kernels.attention import l2_hint
 from dsv4lab.kernels.attention.simt import LOG2E, trim_tail
 from dsv4lab.kernels.device import interpreting, pdl_ok, props
+from dsv4lab.kernels.launch import Launch, workspace
 
 FP8_ROW_BYTES = 584      # 448 e4m3 + 64 bf16 + 7 ue8m0 scales + 1 pad
 FP8_DIM = 512
@@ -384,15 +385,25 @@ def combine_launch(B, S_q, H, d_v, splits, *, has_sink, pdl, sm_count):
     return _combine_kernel, (B * S_q * H,), consts
 
 
+def combine_plan(device, B, S_q, H, d_v, splits, *, has_sink, pdl, sm_count) -> Launch:
+    """The split-KV combine of one plan as a :class:`~dsv4lab.kernels.launch.Launch`; its
+    per-call arguments are (opart, lpart, sink or any fp32 tensor, out, lse)."""
+    kernel, grid, consts = combine_launch(B, S_q, H, d_v, splits, has_sink=has_sink, pdl=pdl,
+                                          sm_count=sm_count)
+    options = {k: consts.pop(k) for k in ("num_warps", "launch_pdl") if k in consts}
+    return Launch(kernel, grid, dict(consts, H=H, num_splits=splits), device=device, guard=(2,),
+                  **options)
+
+
 def combine_splits(opart, lpart, sink, out, lse, splits, pdl=False):
     """Launch the split-KV combine: partials ``opart`` [B*S_q, splits, H, d_v] (q's dtype, or
     fp32) and base-2 lse ``lpart`` [B*S_q, splits, H] -> ``out`` [B, S_q, H, d_v], ``lse``
     (with the sink, fp32 [H] or None). ``pdl``: launched as a programmatic dependent launch of
     the split kernel, which must have been launched with its PDL flag (sm_90+, ``pdl_ok``)."""
     B, S_q, H, d_v = out.shape
-    kernel, grid, consts = combine_launch(B, S_q, H, d_v, splits, has_sink=sink is not None,
-                                          pdl=pdl, sm_count=props(out.device).sm_count)
-    kernel[grid](opart, lpart, sink if sink is not None else lse, out, lse, H, splits, **consts)
+    combine_plan(out.device, B, S_q, H, d_v, splits, has_sink=sink is not None, pdl=pdl,
+                 sm_count=props(out.device).sm_count)(
+        opart, lpart, sink if sink is not None else lse, out, lse)
 
 
 # ----------------------------------------------------------------------------------------
@@ -462,6 +473,76 @@ def kernel_constexprs(config: Config, *, D, d_v, q_dtype, fp8, fp8_hw, split, ha
                 num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+class SplitLaunches:
+    """A sparse MLA kernel's launch and, when split, the combine's, as :class:`Launch` es with
+    the output shapes and the partials' sizes (``main``, ``combine``, ``out_shape``,
+    ``lse_shape``, ``partials``, set by a subclass). Calling it allocates the outputs, takes
+    the partials from the stream's workspace and launches."""
+
+    def _make_partials(self, device):
+        _, n_o, dtype, n_l = self.partials
+        return (torch.empty(n_o, dtype=dtype, device=device),
+                torch.empty(n_l, dtype=torch.float32, device=device))
+
+    def __call__(self, q, kv, indices, sink, scale):
+        dev = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=dev)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        sk = lse if sink is None else sink
+        if self.combine is None:
+            self.main(q, kv, indices, sk, out, lse, lse, lse, scale * LOG2E)
+            return out, lse
+        opart, lpart = workspace(self.partials, dev, lambda: self._make_partials(dev))
+        self.main(q, kv, indices, sk, out, lse, opart, lpart, scale * LOG2E)
+        self.combine(opart, lpart, sk, out, lse)
+        return out, lse
+
+
+class MmaLaunches(SplitLaunches):
+    """The launches of :func:`sparse_mla_mma` for one device, shape and configuration, worked
+    out once."""
+
+    def __init__(self, device, B, S_q, H, D, d_v, topk, q_dtype, config: Config, *, fp8,
+                 splits, rows_per_split, has_sink, word_aligned, fp8_hw):
+        interp = interpreting()
+        block_h = min(config.block_h, max(16, triton.next_power_of_2(H)))
+        n_hblk = triton.cdiv(H, block_h)
+        split = splits > 1
+        pdl = split and config.pdl and pdl_ok(device)
+        consts = kernel_constexprs(config, D=D, d_v=d_v, q_dtype=q_dtype, fp8=fp8, fp8_hw=fp8_hw,
+                                   split=split, has_sink=has_sink, pdl=pdl,
+                                   evict=config.evict_kv and l2_hint.active(),
+                                   word_aligned=word_aligned, interp=interp)
+        warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
+        self.main = Launch(_sparse_mla_mma_kernel, (B * S_q * n_hblk * splits,),
+                           dict(consts, H=H, topk=topk, n_hblk=n_hblk, num_splits=splits,
+                                split_rows=rows_per_split, BLOCK_H=block_h),
+                           device=device, num_warps=warps, num_stages=stages, guard=(0, 1, 2, 3),
+                           jit_context=l2_hint.rewriting if consts["EVICT_KV"] else None)
+        self.combine = combine_plan(device, B, S_q, H, d_v, splits, has_sink=has_sink, pdl=pdl,
+                                    sm_count=props(device).sm_count) if split else None
+        self.out_shape, self.lse_shape = (B, S_q, H, d_v), (B, S_q, H)
+        self.partials = ("mla partials", B * S_q * splits * H * d_v, q_dtype,
+                         B * S_q * splits * H)
+
+
+_LAUNCHES: dict = {}
+
+
+def mma_launches(device, B, S_q, H, D, d_v, topk, q_dtype, config: Config, *, fp8, splits,
+                 rows_per_split, has_sink, word_aligned, fp8_hw) -> MmaLaunches:
+    """:class:`MmaLaunches` of these arguments, made once."""
+    key = (device, B, S_q, H, D, d_v, topk, q_dtype, config, fp8, splits, rows_per_split,
+           has_sink, word_aligned, fp8_hw)
+    launches = _LAUNCHES.get(key)
+    if launches is None:
+        launches = _LAUNCHES[key] = MmaLaunches(
+            device, B, S_q, H, D, d_v, topk, q_dtype, config, fp8=fp8, splits=splits,
+            rows_per_split=rows_per_split, has_sink=has_sink, word_aligned=word_aligned,
+            fp8_hw=fp8_hw)
+    return launches
+
+
 def sparse_mla_mma(q, kv, indices, sink, scale, d_v, config: Config, *, fp8=False,
                    num_splits=None, fp8_hw=None):
     """Launch the kernel (and the combine when split).
@@ -470,38 +551,20 @@ def sparse_mla_mma(q, kv, indices, sink, scale, d_v, config: Config, *, fp8=Fals
     [B, S_q, topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v] q.dtype, lse fp32).
     ``num_splits``: split-KV ranges (default :func:`plan_splits` for the device's SMs);
     ``fp8_hw``: the FP8 dequant path (default: the hardware conversion on sm_89+ and in the
-    interpreter, the bit moves before)."""
+    interpreter, the bit moves before). The launches are planned once per device, shape and
+    configuration (:func:`mma_launches`)."""
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device
-    interp = interpreting()
-    block_h = min(config.block_h, max(16, triton.next_power_of_2(H)))
-    n_hblk = triton.cdiv(H, block_h)
-    n_prog = B * S_q * n_hblk
     if num_splits is None:
-        splits, rows_per_split = plan_splits(n_prog, topk, props(dev).sm_count)
+        block_h = min(config.block_h, max(16, triton.next_power_of_2(H)))
+        splits, rows_per_split = plan_splits(B * S_q * triton.cdiv(H, block_h), topk,
+                                             props(dev).sm_count)
     else:
         splits, rows_per_split = split_rows(num_splits, topk)
     if fp8_hw is None:
-        fp8_hw = interp or dev.type != "cuda" or props(dev).capability >= (8, 9)
-    split = splits > 1
-    pdl = split and config.pdl and pdl_ok(dev)
-    consts = kernel_constexprs(config, D=D, d_v=d_v, q_dtype=q.dtype, fp8=fp8, fp8_hw=fp8_hw,
-                               split=split, has_sink=sink is not None, pdl=pdl,
-                               evict=config.evict_kv and l2_hint.active(),
-                               word_aligned=kv.data_ptr() % 8 == 0, interp=interp)
-
-    out = torch.empty(B, S_q, H, d_v, dtype=q.dtype, device=dev)
-    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
-    if split:   # partials in q's dtype (fp32 for fp32 q): half the bytes stored and read back
-        opart = torch.empty(B * S_q * splits * H * d_v, dtype=q.dtype, device=dev)
-        lpart = torch.empty(B * S_q * splits * H, dtype=torch.float32, device=dev)
-    else:
-        opart = lpart = lse       # unused
-    with l2_hint.rewriting(consts["EVICT_KV"]):
-        _sparse_mla_mma_kernel[(n_prog * splits,)](
-            q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
-            H, topk, n_hblk, splits, rows_per_split, scale * LOG2E, BLOCK_H=block_h, **consts)
-    if split:
-        combine_splits(opart, lpart, sink, out, lse, splits, pdl=pdl)
-    return out, lse
+        fp8_hw = interpreting() or dev.type != "cuda" or props(dev).capability >= (8, 9)
+    return mma_launches(dev, B, S_q, H, D, d_v, topk, q.dtype, config, fp8=fp8, splits=splits,
+                        rows_per_split=rows_per_split, has_sink=sink is not None,
+                        word_aligned=kv.data_ptr() % 8 == 0, fp8_hw=bool(fp8_hw))(
+        q, kv, indices, sink, scale)

@@ -42,8 +42,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait)
 
 from dsv4lab.kernels.attention import l2_hint
-from dsv4lab.kernels.attention.mma import LOG2E, combine_splits
-from dsv4lab.kernels.device import pdl_ok
+from dsv4lab.kernels.attention.mma import SplitLaunches, combine_plan
+from dsv4lab.kernels.device import pdl_ok, props
+from dsv4lab.kernels.launch import Launch
 from dsv4lab.kernels.gluon_compat import async_load, cta_barrier, gdc_launch_dependents
 
 HEADS = gl.constexpr(64)
@@ -488,6 +489,44 @@ def kernel_constexprs(*, fp8, split, has_sink, pdl, lazy, evict) -> dict:
                 maxnreg=168, PDL=pdl, LAZY_SS=lazy, EVICT_KV=evict)
 
 
+class WsLaunches(SplitLaunches):
+    """The launches of :func:`sparse_mla_ws` for one device, shape and plan, worked out once:
+    the kernel and, when split, lesson 2's combine."""
+
+    def __init__(self, device, B, S_q, q_dtype, topk, *, fp8, splits, split_rows, has_sink,
+                 lazy, evict_kv):
+        split = splits > 1
+        consts = kernel_constexprs(fp8=fp8, split=split, has_sink=has_sink,
+                                   pdl=split and pdl_ok(device), lazy=bool(lazy),
+                                   evict=bool(evict_kv) and l2_hint.active())
+        maxnreg = consts.pop("maxnreg")
+        self.main = Launch(_sparse_mla_ws_kernel, (B * S_q * splits,),
+                           dict(consts, topk=topk, num_splits=splits, split_rows=split_rows),
+                           device=device, maxnreg=maxnreg, guard=(0, 1, 2, 3),
+                           jit_context=l2_hint.rewriting if consts["EVICT_KV"] else None)
+        self.combine = combine_plan(device, B, S_q, 64, 512, splits, has_sink=has_sink,
+                                    pdl=consts["PDL"], sm_count=props(device).sm_count) \
+            if split else None
+        self.out_shape, self.lse_shape = (B, S_q, 64, 512), (B, S_q, 64)
+        self.partials = ("mla partials", B * S_q * splits * 64 * 512, q_dtype,
+                         B * S_q * splits * 64)
+
+
+_LAUNCHES: dict = {}
+
+
+def ws_launches(device, B, S_q, q_dtype, topk, *, fp8, splits, split_rows, has_sink, lazy,
+                evict_kv) -> WsLaunches:
+    """:class:`WsLaunches` of these arguments, made once."""
+    key = (device, B, S_q, q_dtype, topk, fp8, splits, split_rows, has_sink, lazy, evict_kv)
+    launches = _LAUNCHES.get(key)
+    if launches is None:
+        launches = _LAUNCHES[key] = WsLaunches(device, B, S_q, q_dtype, topk, fp8=fp8,
+                                               splits=splits, split_rows=split_rows,
+                                               has_sink=has_sink, lazy=lazy, evict_kv=evict_kv)
+    return launches
+
+
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, lazy=False, evict_kv=False):
     """Launch the warp-specialised kernel (and lesson 2's combine when split).
 
@@ -496,22 +535,6 @@ def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, lazy=False
     as ``mma.plan_splits`` plans them; ``lazy``: the consumers' lazy rescale; ``evict_kv``: the
     KV gathers under the L2 evict-first policy -> (out [B, S_q, 64, 512], lse fp32)."""
     B, S_q, H, D = q.shape
-    dev = q.device
-    split = splits > 1
-    consts = kernel_constexprs(fp8=kv.dtype == torch.uint8, split=split, has_sink=sink is not None,
-                               pdl=split and pdl_ok(dev), lazy=bool(lazy),
-                               evict=bool(evict_kv) and l2_hint.active())
-    out = torch.empty(B, S_q, H, D, dtype=q.dtype, device=dev)
-    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=dev)
-    if split:       # partials in q's dtype
-        opart = torch.empty(B * S_q * splits * H * D, dtype=q.dtype, device=dev)
-        lpart = torch.empty(B * S_q * splits * H, dtype=torch.float32, device=dev)
-    else:
-        opart = lpart = lse       # unused
-    with l2_hint.rewriting(consts["EVICT_KV"]):
-        _sparse_mla_ws_kernel[(B * S_q * splits,)](
-            q, kv, indices, sink if sink is not None else lse, out, lse, opart, lpart,
-            indices.shape[-1], splits, split_rows, scale * LOG2E, **consts)
-    if split:
-        combine_splits(opart, lpart, sink, out, lse, splits, pdl=consts["PDL"])
-    return out, lse
+    return ws_launches(q.device, B, S_q, q.dtype, indices.shape[-1], fp8=kv.dtype == torch.uint8,
+                       splits=splits, split_rows=split_rows, has_sink=sink is not None,
+                       lazy=bool(lazy), evict_kv=bool(evict_kv))(q, kv, indices, sink, scale)

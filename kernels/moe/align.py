@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4lab.kernels.launch import Launch, planned
+
 # largest padded pair count the single-program kernel handles (the one-hot is P_PAD x E_PAD)
 ALIGN_KERNEL_MAX_P = 1024
 
@@ -89,25 +91,40 @@ def align_launch(P: int, E: int) -> tuple[int, int, int]:
     return P_PAD, max(16, triton.next_power_of_2(E)), 4 if P_PAD <= 256 else 8
 
 
-def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int):
-    """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P)."""
-    ids = topk_ids.reshape(-1)
-    P = ids.numel()
+_ALIGN: dict = {}
+
+
+def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int, out=None):
+    """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P). ``out``: the four
+    int32 buffers to write (a caller's workspace), else fresh ones."""
+    P = topk_ids.numel()
     if not align_kernel_fits(P):
         raise ValueError(f"moe_align_triton handles up to {ALIGN_KERNEL_MAX_P} pairs, got {P}")
-    P_PAD, E_PAD, warps = align_launch(P, E)
-    nbm = num_blocks_max(P, E, BM)
     dev = topk_ids.device
-    sorted_pair = torch.empty(P, dtype=torch.int32, device=dev)
-    block_expert, block_start, block_count = (torch.empty(nbm, dtype=torch.int32, device=dev)
-                                              for _ in range(3))
-    align_kernel[(1,)](ids, sorted_pair, block_expert, block_start, block_count, P, E, nbm,
-                       BM=BM, P_PAD=P_PAD, E_PAD=E_PAD, num_warps=warps)
-    return sorted_pair, block_expert, block_start, block_count
+    nbm = num_blocks_max(P, E, BM)
+    launch = planned(_ALIGN, (dev, P, E, BM), dev, lambda: _align_launch(dev, P, E, BM, nbm))
+    if out is None:
+        out = align_buffers(P, nbm, dev)
+    launch(topk_ids, *out)
+    return out
 
 
-def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int):
-    """The same grouping with torch ops (no host sync either); used for prefill-sized P."""
+def align_buffers(P: int, nbm: int, device):
+    """(sorted_pair [P], block_expert, block_start, block_count [nbm]) int32, uninitialised."""
+    return (torch.empty(P, dtype=torch.int32, device=device),
+            *(torch.empty(nbm, dtype=torch.int32, device=device) for _ in range(3)))
+
+
+def _align_launch(device, P, E, BM, nbm):
+    P_PAD, E_PAD, warps = align_launch(P, E)
+    return Launch(align_kernel, (1,), dict(P=P, E=E, NB_MAX=nbm, BM=BM, P_PAD=P_PAD,
+                                           E_PAD=E_PAD), device=device, guard=(0,),
+                  num_warps=warps)
+
+
+def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int, out=None):
+    """The same grouping with torch ops (no host sync either); used for prefill-sized P
+    (``out`` is not used: torch allocates its results)."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
@@ -131,8 +148,9 @@ def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int):
     return sorted_pair, block_expert, block_start, block_count
 
 
-def moe_align(topk_ids: torch.Tensor, E: int, BM: int):
-    """``(sorted_pair, block_expert, block_start, block_count)``: Triton for small P, torch above."""
+def moe_align(topk_ids: torch.Tensor, E: int, BM: int, out=None):
+    """``(sorted_pair, block_expert, block_start, block_count)``: Triton for small P (into
+    ``out`` when given), torch above."""
     if align_kernel_fits(topk_ids.numel()):
-        return moe_align_triton(topk_ids, E, BM)
+        return moe_align_triton(topk_ids, E, BM, out)
     return moe_align_torch(topk_ids, E, BM)

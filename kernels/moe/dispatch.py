@@ -19,9 +19,12 @@ import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from dsv4lab.kernels.device import DeviceProps, Route, choose, gluon_unsupported, interpreting
 from dsv4lab.kernels.device import props as device_props
+from dsv4lab.kernels.launch import Launch, kernel_params, planned, workspace
 from dsv4lab.kernels.moe import align, triton_moe
 from dsv4lab.kernels.moe.triton_moe import Tiles
 
@@ -123,15 +126,32 @@ def route_for(x, w13, w13_scale, w2, w2_scale, topk_ids, props: DeviceProps | No
                   aligned)
 
 
+_CALLS: dict = {}
+
+
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, props=None, gluon=None):
     """The FP4 MoE (arguments as ``dsv4lab.ops.fused_moe``, already checked; NVFP4 globals as
     fp32 [E] tensors on x's device) by the first route of :data:`TABLES` that applies
     (``props``, ``gluon``: as on another device, for :func:`offline_cases`). No host
-    synchronisation: CUDA-graph capturable."""
-    route = route_for(x, w13, w13_scale, w2, w2_scale, topk_ids, props, gluon)
+    synchronisation: CUDA-graph capturable. The route and its launches are found once per
+    (device, shape, format, alignment): a call then costs a dict lookup, its output and its
+    launches."""
     args = (x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights)
     kw = dict(fmt=fmt, w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit)
+    if props is not None or gluon is not None:
+        return _by_route(route_for(x, w13, w13_scale, w2, w2_scale, topk_ids, props, gluon),
+                         args, kw, props)
+    aligned = not (w13.data_ptr() | w13_scale.data_ptr() | w2.data_ptr() | w2_scale.data_ptr()) & 15
+    key = (x.device, x.shape, w13.shape, topk_ids.shape, fmt, aligned)
+    route = _CALLS.get(key)
+    if route is None:
+        route = _CALLS[key] = route_for(x, w13, w13_scale, w2, w2_scale, topk_ids)
+    return _by_route(route, args, kw, None)
+
+
+def _by_route(route, args, kw, props):
+    x, w13, _, _, _, topk_ids, _ = args
     if route.kernel == "gemv_sm90":
         from dsv4lab.kernels.moe import gemv_sm90
         return gemv_sm90.fused_decode(*args, **kw)
@@ -140,7 +160,55 @@ def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="m
         return mma_sm90.fused_moe(*args, **kw)
     T, E = x.shape[0], w13.shape[0]
     p = device_props(x.device) if props is None else props
-    return triton_moe.fused_moe(*args, **kw, tiles=tiles_for(T, topk_ids.shape[1], E, fmt, p))
+    return triton_moe.fused_moe(*args, **kw, tiles=tiles_for(T, topk_ids.shape[1], E, kw["fmt"], p))
+
+
+# ------------------------------------------------------------------------ value check ----
+
+@triton.jit(do_not_specialize=["slot", "stamp"])
+def check_routing_kernel(x_ptr, ids_ptr, w_ptr, safe_ptr, flag_ptr, H, E, stride_x, slot,
+                         stamp, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Token ``program_id(0)``: its expert ids into the copy the kernels read (an id outside
+    [-1, E) made -1: no kernel reads another expert's weights), and ``flags[slot]`` raised to
+    ``2 * stamp + bad``: bad if an id is outside [-1, E), or a routing weight or a value of x
+    is NaN or Inf."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    mk = offs_k < K
+    ids = tl.load(ids_ptr + t * K + offs_k, mask=mk, other=-1)
+    bad_id = mk & ((ids < -1) | (ids >= E))
+    tl.store(safe_ptr + t * K + offs_k, tl.where(bad_id, -1, ids), mask=mk)
+    w = tl.load(w_ptr + t * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    bad = bad_id | (mk & ((w != w) | (tl.abs(w) == float("inf"))))
+    worst = tl.max(bad.to(tl.int32), axis=0)
+    offs_h = tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H):
+        mh = h0 + offs_h < H
+        xv = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=mh, other=0.0).to(tl.float32)
+        worst = tl.maximum(worst, tl.max(((xv != xv) | (tl.abs(xv) == float("inf"))).to(tl.int32),
+                                         axis=0))
+    tl.atomic_max(flag_ptr + slot, stamp * 2 + worst)
+
+
+_CHECKS: dict = {}
+
+
+def check_routing(x, topk_ids, topk_weights, E: int, flags, slot: int, stamp: int):
+    """Launch the value check of one ``fused_moe`` call (x [T, hidden], ids and weights
+    [T, k], contiguous) -> the expert ids the kernels should read (the stream's workspace).
+    ``flags, slot, stamp``: the call's :func:`~dsv4lab.kernels.launch.value_check`."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    dev = x.device
+    launch = planned(_CHECKS, (dev, T, H, K, E, x.stride(0)), dev, lambda: Launch(
+        check_routing_kernel, (T,), dict(H=H, E=E, stride_x=x.stride(0), K=K,
+                                          BLOCK_K=max(2, triton.next_power_of_2(K)),
+                                          BLOCK_H=min(1024, triton.next_power_of_2(H))),
+        device=dev, guard=(0, 1, 2), num_warps=4))
+    safe = workspace(("moe ids", topk_ids.shape, topk_ids.dtype), dev,
+                     lambda: torch.empty_like(topk_ids))
+    launch(x, topk_ids, topk_weights, safe, flags, slot, stamp)
+    return safe
 
 
 # ------------------------------------------------------------- offline compiles ----------
@@ -168,6 +236,10 @@ def _case(name: str, fn, args, kwargs):
     equal to 1 as constants and multiples of 16 as divisible, as Triton's launcher
     specialises them."""
     from dsv4lab.kernels.offline import Case
+    const_names = {name for name, const, _ in kernel_params(fn) if const}
+    named = {k: v for k, v in kwargs.items() if k in fn.arg_names and k not in const_names}
+    kwargs = {k: v for k, v in kwargs.items() if k not in named}
+    args = tuple(args) + tuple(named[n] for n in fn.arg_names[len(args):] if n in named)
     consts = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS or k in fn.arg_names}
     types, aligned = {}, []
     for pname, v in zip(fn.arg_names, args):

@@ -42,6 +42,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsv4lab.kernels.gluon_compat import cta_barrier, gdc_launch_dependents, gdc_wait
+from dsv4lab.kernels.launch import Launch, planned, workspace
+from dsv4lab.kernels.moe.triton_moe import contiguous_args
 from dsv4lab.kernels.moe.gluon_shared import CVT8_PLACE, e4m3_bits, swiglu
 
 # the launch: gate/up and down rows a tile, rows a warp an iteration, warps a program
@@ -391,43 +393,79 @@ def decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_
                    stride_w2n, stride_s2e, stride_s2n, stride_out, IS_NV, BN2, RB, ASM, num_warps)
 
 
+class DecodeLaunches:
+    """The two launches of :func:`fused_decode` for one device, shape and format, worked out
+    once (``kernels/launch.py``), and the sizes of the buffers they share (the stream's
+    workspace: x's pairs, the activations, the partial sums, the counters)."""
+
+    def __init__(self, device, T, H, E, I, topk, fmt, has_limit):
+        P = T * topk
+        is_nv = fmt == "nvfp4"
+        self.T, self.H, self.I, self.P, self.is_nv = T, H, I, P, is_nv
+        n_ctr = 1 + P + H // BN2 + P * (I // BN1)
+        self.ws_key = ("gemv_sm90", T, H, I, P)
+        self.x_pairs = Launch(x_pairs_kernel, (T, H // 1024),
+                              dict(n_zero=n_ctr, H=H, stride_x=H, num_warps=1), device=device,
+                              guard=(0,))
+        nsc = 2 if is_nv else 1                     # scale bytes a 32-element block
+        grid = (P * (I // BN1) * (H // K_SLICE) + P * (H // BN2) * (I // K_SLICE),)
+        self.decode = Launch(decode_kernel, grid, dict(
+            P=P, T=T, TOPK=topk, I=I, H=H, stride_w13e=2 * I * H // 2, stride_w13n=H // 2,
+            stride_s13e=2 * I * H // 32 * nsc, stride_s13n=H // 32 * nsc,
+            stride_w2e=H * I // 2, stride_w2n=I // 2, stride_s2e=H * I // 32 * nsc,
+            stride_s2n=I // 32 * nsc, stride_out=H, IS_NV=is_nv, HAS_LIMIT=has_limit, BN1=BN1,
+            BN2=BN2, RB=RB, ASM=block_dot_asm(is_nv), num_warps=NUM_WARPS), device=device,
+            guard=(2, 3, 4, 5, 6, 7, 8, 9), launch_pdl=True)
+        self.n_ctr = n_ctr
+
+    def _buffers(self, dev):
+        T, H, I, P = self.T, self.H, self.I, self.P
+        return (torch.empty(T, 4, H // 8, dtype=torch.int32, device=dev),
+                torch.empty(T, H // 32, dtype=torch.float32, device=dev),
+                torch.empty(P, 4, I // 8, dtype=torch.int32, device=dev),
+                torch.empty(P, I // 32, dtype=torch.float32, device=dev),
+                torch.empty(H // K_SLICE * P, 2 * I, dtype=torch.float32, device=dev),
+                torch.empty(I // K_SLICE * P, H, dtype=torch.float32, device=dev),
+                torch.empty(self.n_ctr, dtype=torch.int32, device=dev))
+
+    def __call__(self, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, w13_global,
+                 w2_global, swiglu_limit):
+        dev = x.device
+        out = torch.empty(self.T, self.H, dtype=x.dtype, device=dev)
+        if self.P == 0:
+            return out.zero_()
+        xq, xc, aq, ac, part, ypair, counters = workspace(self.ws_key, dev,
+                                                          lambda: self._buffers(dev))
+        if self.is_nv:
+            w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+        self.x_pairs(x, xq, xc, counters)
+        g13 = w13_global if self.is_nv else xc
+        g2 = w2_global if self.is_nv else xc
+        self.decode(xq, xc, w13, w13_scale, g13, w2, w2_scale, g2, topk_ids, topk_weights, aq, ac,
+                    part, ypair, out, counters,
+                    float(swiglu_limit) if swiglu_limit is not None else 0.0)
+        return out
+
+
+_LAUNCHES: dict = {}
+
+
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
                  w13_global=None, w2_global=None, swiglu_limit=None):
     """The FP4 MoE of T <= 8 tokens (arguments as ``dsv4lab.ops.fused_moe``, already checked;
-    hidden and intermediate sizes multiples of 2048, weights and scales 16-byte aligned) in
-    two launches: x's pairs and the zeroed counters, then :func:`decode_kernel`. No host sync."""
+    hidden and intermediate sizes multiples of 2048, weights and scales 16-byte aligned and
+    contiguous) in two launches: x's pairs and the zeroed counters, then :func:`decode_kernel`.
+    No host sync. Planned once per device, shape and format (:class:`DecodeLaunches`)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
-    P = topk_ids.numel()
     if H % K_SLICE or I % K_SLICE or not 1 <= T <= MAX_TOKENS:
         raise ValueError(f"gemv_sm90: hidden and intermediate sizes must be multiples of {K_SLICE} "
                          f"and T in 1..{MAX_TOKENS}; got hidden {H}, intermediate {I}, T {T}")
     dev = x.device
-    is_nv = fmt == "nvfp4"
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    if P == 0:
-        return out.zero_()
-    w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    xq = torch.empty(T, 4, H // 8, dtype=torch.int32, device=dev)
-    xc = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
-    aq = torch.empty(P, 4, I // 8, dtype=torch.int32, device=dev)
-    ac = torch.empty(P, I // 32, dtype=torch.float32, device=dev)
-    part = torch.empty(H // K_SLICE * P, 2 * I, dtype=torch.float32, device=dev)
-    ypair = torch.empty(I // K_SLICE * P, H, dtype=torch.float32, device=dev)
-    counters = torch.empty(1 + P + H // BN2 + P * (I // BN1), dtype=torch.int32, device=dev)
-    x = x.contiguous()
-    x_pairs_kernel[(T, H // 1024)](x, xq, xc, counters, counters.numel(), H, x.stride(0),
-                                   num_warps=1)
-    g13 = w13_global.contiguous() if is_nv else xc
-    g2 = w2_global.contiguous() if is_nv else xc
-    grid = (P * (I // BN1) * (H // K_SLICE) + P * (H // BN2) * (I // K_SLICE),)
-    decode_kernel[grid](
-        xq, xc, w13, w13_scale, g13, w2, w2_scale, g2, topk_ids.contiguous(),
-        topk_weights.reshape(-1).contiguous(), aq, ac, part, ypair, out, counters, P, T,
-        topk_ids.shape[1], I, H, w13.stride(0), w13.stride(1), w13_scale.stride(0),
-        w13_scale.stride(1), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        out.stride(0), float(swiglu_limit) if swiglu_limit is not None else 0.0, IS_NV=is_nv,
-        HAS_LIMIT=swiglu_limit is not None, BN1=BN1, BN2=BN2, RB=RB, ASM=block_dot_asm(is_nv),
-        num_warps=NUM_WARPS, launch_pdl=True)
-    return out
+    launches = planned(_LAUNCHES, (dev, T, H, E, I, topk_ids.shape[1], fmt,
+                                   swiglu_limit is not None), dev,
+                       lambda: DecodeLaunches(dev, T, H, E, I, topk_ids.shape[1], fmt,
+                                              swiglu_limit is not None))
+    return launches(*contiguous_args(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                 w13_global, w2_global), swiglu_limit)

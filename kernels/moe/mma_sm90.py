@@ -37,9 +37,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from dsv4lab.kernels.gluon_compat import async_load
-from dsv4lab.kernels.moe.align import moe_align
+from dsv4lab.kernels.launch import Launch, planned, workspace
+from dsv4lab.kernels.moe.align import align_buffers, align_kernel_fits, moe_align, num_blocks_max
 from dsv4lab.kernels.moe.gluon_shared import CVT8_PLACE, e4m3_bits, swiglu
-from dsv4lab.kernels.moe.triton_moe import combine_kernel, pick_split
+from dsv4lab.kernels.moe.triton_moe import combine_kernel, contiguous_args, pick_split
 
 SEG_BYTES = gl.constexpr(64)   # packed bytes of one weight row a K-step (128 FP4 elements)
 BM = gl.constexpr(8)           # tokens a block (mma's N)
@@ -385,54 +386,86 @@ def x_seg_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr):
         tl.store(dst + r * 64, xr.to(tl.float16), mask=m)
 
 
+class MmaLaunches:
+    """The launches of :func:`fused_moe` for one device, shape and format, worked out once
+    (``kernels/launch.py``): x's copy in sigma's order, grouping, gate/up, down, combine, and
+    the buffers they share (the stream's workspace)."""
+
+    def __init__(self, device, T, H, E, I, topk, fmt, has_limit):
+        P = T * topk
+        is_nv = fmt == "nvfp4"
+        nsc = 2 if is_nv else 1                     # scale bytes a 32-element block
+        self.T, self.H, self.I, self.P, self.E, self.is_nv = T, H, I, P, E, is_nv
+        self.nbm = num_blocks_max(P, E, int(BM))
+        self.align_fits = align_kernel_fits(P)
+        nsps1 = pick_split(H // 128, NSPS1)
+        nsps2 = pick_split(I // 128, NSPS2)
+        BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+        self.x_seg = Launch(x_seg_kernel, (T, triton.cdiv(H // 2, BX)),
+                            dict(HP=H // 2, stride_x=H, stride_xk=H, BH=BX), device=device,
+                            guard=(0,), num_warps=4)
+        self.gate_up = Launch(gate_up_kernel, (self.nbm, triton.cdiv(I, BN1), 1), dict(
+            I=I, TOPK=topk, NSEG=H // 128, stride_xt=H, stride_we=2 * I * H // 2,
+            stride_wn=H // 2, stride_se=2 * I * H // 32 * nsc, stride_sn=H // 32 * nsc,
+            stride_out=I, IS_NV=is_nv, HAS_LIMIT=has_limit, BN=BN1, STAGES=STAGES, NSPS=nsps1,
+            ASM=CVT8_ASM, num_warps=NUM_WARPS), device=device, guard=(1, 2, 3))
+        self.down = Launch(down_kernel, (self.nbm, triton.cdiv(H, BN2), 1), dict(
+            H=H, NSEG=I // 128, stride_act=I, stride_we=H * I // 2, stride_wn=I // 2,
+            stride_se=H * I // 32 * nsc, stride_sn=I // 32 * nsc, stride_y=H, stride_ys=P * H,
+            IS_NV=is_nv, BN=BN2, STAGES=STAGES, NSPS=nsps2, ASM=CVT8_ASM, num_warps=NUM_WARPS),
+            device=device, guard=(1, 2, 3, 4))
+        BH = min(1024, triton.next_power_of_2(H))
+        self.combine = Launch(combine_kernel, (T, triton.cdiv(H, BH)), dict(
+            H=H, E=E, stride_y=H, stride_ys=P * H, stride_out=H, TOPK=topk, SPLIT=1, BH=BH),
+            device=device, guard=(1,), num_warps=4)
+        self.ws_key = ("mma_sm90", T, H, I, P, self.nbm)
+
+    def _buffers(self, dev):
+        T, H, I, P = self.T, self.H, self.I, self.P
+        return (torch.empty(T, H, dtype=torch.float16, device=dev),
+                torch.empty(P, I, dtype=torch.float16, device=dev),
+                torch.empty(1, P, H, dtype=torch.float32, device=dev),     # [K slices, P, H]
+                align_buffers(P, self.nbm, dev) if self.align_fits else None)
+
+    def __call__(self, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, w13_global,
+                 w2_global, swiglu_limit):
+        dev = x.device
+        xp, act, ypair, grouping = workspace(self.ws_key, dev, lambda: self._buffers(dev))
+        if self.is_nv:
+            w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+        self.x_seg(x, xp)
+        sorted_pair, block_expert, block_start, block_count = moe_align(topk_ids, self.E,
+                                                                        int(BM), out=grouping)
+        g13 = w13_global if self.is_nv else ypair
+        g2 = w2_global if self.is_nv else ypair
+        limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+        self.gate_up(xp, w13, w13_scale, g13, sorted_pair, block_expert, block_start,
+                     block_count, act, limit)
+        self.down(act, w2, w2_scale, g2, topk_weights, sorted_pair, block_expert, block_start,
+                  block_count, ypair)
+        out = torch.empty(self.T, self.H, dtype=x.dtype, device=dev)
+        self.combine(ypair, topk_ids, out)
+        return out
+
+
+_LAUNCHES: dict = {}
+
+
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None):
     """The grouped FP4 MoE with these GEMMs (arguments as ``dsv4lab.ops.fused_moe``, already
     checked; hidden and intermediate sizes multiples of 512, weights and scales 16-byte
-    aligned): x's copy in sigma's order, grouping, gate/up, down, combine. No host sync."""
+    aligned): x's copy in sigma's order, grouping, gate/up, down, combine. No host sync.
+    Planned once per device, shape and format (:class:`MmaLaunches`)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2
-    topk = topk_ids.shape[1]
-    P = T * topk
     if H % 512 or I % 512:   # scale rows (H/32, I/32 bytes) stay 16-byte aligned for cp.async
         raise ValueError(f"mma_sm90: hidden and intermediate sizes must be multiples of 512, got {H}, {I}")
-    is_nv = fmt == "nvfp4"
     dev = x.device
-    x = x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-    if is_nv:
-        w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    ids = topk_ids.contiguous()
-    tw = topk_weights.reshape(-1).contiguous()
-    nsps1 = pick_split(H // 128, NSPS1)
-    nsps2 = pick_split(I // 128, NSPS2)
-    xp = torch.empty(T, H, dtype=torch.float16, device=dev)
-    BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
-    x_seg_kernel[(T, triton.cdiv(H // 2, BX))](x, xp, H // 2, x.stride(0), xp.stride(0), BH=BX,
-                                               num_warps=4)
-    sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, int(BM))
-    nbm = block_expert.numel()
-    act = torch.empty(P, I, dtype=torch.float16, device=dev)
-    ypair = torch.empty(1, P, H, dtype=torch.float32, device=dev)   # [K slices, P, H]
-    g13 = w13_global.contiguous() if is_nv else ypair
-    g2 = w2_global.contiguous() if is_nv else ypair
-    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    gate_up_kernel[(nbm, triton.cdiv(I, BN1), 1)](
-        xp, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, act,
-        I, topk, H // 128, xp.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0),
-        w13_scale.stride(1), act.stride(0), limit, IS_NV=is_nv,
-        HAS_LIMIT=swiglu_limit is not None, BN=BN1, STAGES=STAGES, NSPS=nsps1, ASM=CVT8_ASM,
-        num_warps=NUM_WARPS)
-    down_kernel[(nbm, triton.cdiv(H, BN2), 1)](
-        act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
-        H, I // 128, act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0),
-        w2_scale.stride(1), ypair.stride(1), ypair.stride(0), IS_NV=is_nv, BN=BN2, STAGES=STAGES, NSPS=nsps2,
-        ASM=CVT8_ASM, num_warps=NUM_WARPS)
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    BH = min(1024, triton.next_power_of_2(H))
-    combine_kernel[(T, triton.cdiv(H, BH))](
-        ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
-        TOPK=topk, SPLIT=1, BH=BH, num_warps=4)
-    return out
+    launches = planned(_LAUNCHES, (dev, T, H, E, I, topk_ids.shape[1], fmt,
+                                   swiglu_limit is not None), dev,
+                       lambda: MmaLaunches(dev, T, H, E, I, topk_ids.shape[1], fmt,
+                                           swiglu_limit is not None))
+    return launches(*contiguous_args(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                 w13_global, w2_global), swiglu_limit)

@@ -48,7 +48,9 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.device import interpreting
-from dsv4lab.kernels.moe.align import block_rows, moe_align
+from dsv4lab.kernels.launch import Launch, planned, workspace
+from dsv4lab.kernels.moe.align import (align_buffers, align_kernel_fits, block_rows, moe_align,
+                                       num_blocks_max)
 
 X_PRESCALE = 2.0 ** -8      # x and activations enter the fp16 dot scaled by this
 ROW_CHUNK = 128             # ROWMAX: scale bytes of a row read by one load
@@ -490,84 +492,132 @@ def pick_split(steps: int, want: int) -> int:
     return 1
 
 
+class MoeLaunches:
+    """The launches of :func:`fused_moe` for one device, shape, format and ``tiles``, worked
+    out once: grouping, x's split copy (XPRE), gate/up, the split-K SwiGLU sum, down and the
+    combine as :class:`~dsv4lab.kernels.launch.Launch` es, and the sizes of the buffers they
+    pass each other (the stream's workspace)."""
+
+    def __init__(self, device, T, H, E, I, topk, x_dtype, ids_dtype, fmt, has_limit,
+                 tiles: Tiles):
+        tiles.check()
+        P = T * topk
+        is_nv = fmt == "nvfp4"
+        GS = 8 if is_nv else 16                      # packed bytes a scale
+        BM, BN1, BN2 = tiles.BM, tiles.BN1, tiles.BN2
+        BK1, BK2 = pick_bk(H, tiles.BK1), pick_bk(I, tiles.BK2)
+        split1 = pick_split(H // BK1, tiles.SPLIT1)
+        split2 = pick_split(I // BK2, tiles.SPLIT2)
+        interp = interpreting()
+        fast = tiles.FASTDEC and not interp          # inline PTX: GPU only
+        xpre = tiles.XPRE
+        rowmax = tiles.ROWMAX and not is_nv
+        num_stages = 1 if interp else tiles.num_stages
+        nbm = num_blocks_max(P, E, BM)
+        self.T, self.H, self.I, self.P, self.E, self.BM = T, H, I, P, E, BM
+        self.is_nv, self.xpre, self.split1, self.split2, self.nbm = is_nv, xpre, split1, split2, nbm
+        self.align_fits = align_kernel_fits(P)
+        gu_w = dict(stride_we=2 * I * H // 2, stride_wn=H // 2, stride_se=2 * I * H // 2 // GS,
+                    stride_sn=H // 2 // GS)
+        dn_w = dict(stride_we=H * I // 2, stride_wn=I // 2, stride_se=H * I // 2 // GS,
+                    stride_sn=I // 2 // GS)
+        self.x_split = None
+        if xpre and T:
+            BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
+            self.x_split = Launch(x_split_kernel, (T, triton.cdiv(H // 2, BX)),
+                                  dict(HP=H // 2, stride_x=H, stride_xk=H, BH=BX), device=device,
+                                  guard=(0,), num_warps=4)
+        act_stride = I
+        ks1 = H // 2 // split1 // GS
+        self.gate_up = Launch(gate_up_kernel, (nbm, triton.cdiv(I, BN1), split1), dict(
+            I=I, TOPK=topk, KH_SPLIT=H // 2 // split1, KS_SPLIT=ks1, XO_OFF=H // 2,
+            stride_xt=H, **gu_w, stride_act=2 * I if split1 > 1 else act_stride,
+            stride_part=P * 2 * I if split1 > 1 else 0,
+            IS_NV=is_nv, HAS_LIMIT=has_limit, DOT_FP32=interp, BM=BM, BN=BN1, BKH=BK1 // 2,
+            GS=GS, FASTDEC=fast, XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax,
+            CHAIN=is_nv or rowmax,
+            RKC=min(ROW_CHUNK, triton.next_power_of_2(ks1)) if rowmax else 16),
+            device=device, guard=(0, 1, 2, 3), num_warps=tiles.num_warps, num_stages=num_stages)
+        self.swiglu = None
+        if split1 > 1:
+            BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
+            self.swiglu = Launch(swiglu_kernel, (nbm, triton.cdiv(I, BI)), dict(
+                I=I, stride_part=P * 2 * I, stride_prow=2 * I, stride_act=act_stride,
+                HAS_LIMIT=has_limit, XPRE=xpre, SPLIT=split1, BM=BM, BI=BI), device=device,
+                guard=(), num_warps=4)
+        ks2 = I // 2 // split2 // GS
+        self.down = Launch(down_kernel, (nbm, triton.cdiv(H, BN2), split2), dict(
+            H=H, KH_SPLIT=I // 2 // split2, KS_SPLIT=ks2, XO_OFF=I // 2, stride_act=act_stride,
+            **dn_w, stride_y=H, stride_ys=P * H,
+            IS_NV=is_nv, DOT_FP32=interp, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS, FASTDEC=fast,
+            XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
+            RKC=min(ROW_CHUNK, triton.next_power_of_2(ks2)) if rowmax else 16),
+            device=device, guard=(1, 2, 3, 4), num_warps=tiles.num_warps, num_stages=num_stages)
+        BH = min(1024, triton.next_power_of_2(H))
+        self.combine = Launch(combine_kernel, (T, triton.cdiv(H, BH)), dict(
+            H=H, E=E, stride_y=H, stride_ys=P * H, stride_out=H, TOPK=topk, SPLIT=split2, BH=BH),
+            device=device, guard=(1,), num_warps=4)
+        self.ws_key = ("triton_moe", T, H, I, P, nbm, xpre, split1, split2)
+
+    def _buffers(self, device):
+        T, H, I, P, nbm = self.T, self.H, self.I, self.P, self.nbm
+        f32 = torch.float32
+        xk = torch.empty(T, H, dtype=torch.float16, device=device) if self.xpre else None
+        act = torch.empty(P, I, dtype=torch.float16 if self.xpre else f32, device=device)
+        part = torch.empty(self.split1, P, 2 * I, dtype=f32, device=device) \
+            if self.split1 > 1 else act
+        ypair = torch.empty(self.split2, P, H, dtype=f32, device=device)
+        grouping = align_buffers(P, nbm, device) if self.align_fits else None
+        return xk, act, part, ypair, grouping
+
+    def __call__(self, x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, w13_global,
+                 w2_global, swiglu_limit):
+        dev = x.device
+        xk, act, part, ypair, grouping = workspace(self.ws_key, dev, lambda: self._buffers(dev))
+        if self.is_nv:   # E4M3 scales travel as raw bytes (decoded in the kernel; sm_80 has none)
+            w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+        sorted_pair, block_expert, block_start, block_count = moe_align(
+            topk_ids, self.E, self.BM, out=grouping)
+        out = torch.empty(self.T, self.H, dtype=x.dtype, device=dev)
+        if self.x_split is not None:
+            self.x_split(x, xk)
+        else:
+            xk = x
+        # MXFP4 has no global scales: the kernels never read gscale_ptr then
+        g13 = w13_global if self.is_nv else ypair
+        g2 = w2_global if self.is_nv else ypair
+        limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+        self.gate_up(xk, w13, w13_scale, g13, sorted_pair, block_expert, block_start,
+                     block_count, part, limit)
+        if self.swiglu is not None:
+            self.swiglu(part, act, block_expert, block_start, block_count, limit)
+        self.down(act, w2, w2_scale, g2, topk_weights, sorted_pair, block_expert, block_start,
+                  block_count, ypair)
+        self.combine(ypair, topk_ids, out)
+        return out
+
+
+_LAUNCHES: dict = {}
+
+
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, tiles: Tiles = Tiles()):
     """The grouped FP4 MoE (arguments as ``dsv4lab.ops.fused_moe``, already checked; NVFP4
     globals as fp32 [E] tensors on x's device) with ``tiles``. No host synchronisation:
-    CUDA-graph capturable."""
-    tiles.check()
+    CUDA-graph capturable. The launches are planned once per device, shape, format and tiles
+    (:class:`MoeLaunches`)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
-    I = two_i // 2
     topk = topk_ids.shape[1]
-    P = T * topk
-    is_nv = fmt == "nvfp4"
     dev = x.device
-    x = x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-    ids = topk_ids.contiguous()
-    tw = topk_weights.reshape(-1).contiguous()
-    if is_nv:   # E4M3 scales travel as raw bytes (decoded in the kernel; sm_80 has no e4m3 type)
-        w13_scale, w2_scale = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    GS = 8 if is_nv else 16                      # packed bytes a scale
-    BM, BN1, BN2 = tiles.BM, tiles.BN1, tiles.BN2
-    BK1, BK2 = pick_bk(H, tiles.BK1), pick_bk(I, tiles.BK2)
-    split1 = pick_split(H // BK1, tiles.SPLIT1)
-    split2 = pick_split(I // BK2, tiles.SPLIT2)
-    fast = tiles.FASTDEC and not interpreting()  # inline PTX: GPU only
-    xpre = tiles.XPRE
-    rowmax = tiles.ROWMAX and not is_nv
-    num_stages = 1 if interpreting() else tiles.num_stages
-    sorted_pair, block_expert, block_start, block_count = moe_align(ids, E, BM)
-    nbm = block_expert.numel()
-    out = torch.empty(T, H, dtype=x.dtype, device=dev)
-    if xpre:
-        xk = torch.empty(T, H, dtype=torch.float16, device=dev)
-        BX = min(1024, triton.next_power_of_2(max(1, H // 2)))
-        if T:
-            x_split_kernel[(T, triton.cdiv(H // 2, BX))](x, xk, H // 2, x.stride(0), xk.stride(0),
-                                                         BH=BX, num_warps=4)
-        act = torch.empty(P, I, dtype=torch.float16, device=dev)
-    else:
-        xk = x
-        act = torch.empty(P, I, dtype=torch.float32, device=dev)
-    part = torch.empty(split1, P, 2 * I, dtype=torch.float32, device=dev) if split1 > 1 else act
-    ypair = torch.empty(split2, P, H, dtype=torch.float32, device=dev)
-    # MXFP4 has no global scales: the kernels never read gscale_ptr then, any fp32 pointer will do
-    g13 = w13_global.contiguous() if is_nv else ypair
-    g2 = w2_global.contiguous() if is_nv else ypair
-    dot_fp32 = interpreting()
-    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-    ks1 = H // 2 // split1 // GS
-    gate_up_kernel[(nbm, triton.cdiv(I, BN1), split1)](
-        xk, w13, w13_scale, g13, sorted_pair, block_expert, block_start, block_count, part,
-        I, topk, H // 2 // split1, ks1, H // 2,
-        xk.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        part.stride(-2), part.stride(0) if split1 > 1 else 0, limit,
-        IS_NV=is_nv, HAS_LIMIT=swiglu_limit is not None, DOT_FP32=dot_fp32, BM=BM, BN=BN1,
-        BKH=BK1 // 2, GS=GS, FASTDEC=fast, XPRE=xpre, PARTIAL=split1 > 1, ROWMAX=rowmax,
-        CHAIN=is_nv or rowmax, RKC=min(ROW_CHUNK, triton.next_power_of_2(ks1)) if rowmax else 16,
-        num_warps=tiles.num_warps, num_stages=num_stages)
-    if split1 > 1:
-        BI = max(16, min(triton.next_power_of_2(I), 4096 // BM))
-        swiglu_kernel[(nbm, triton.cdiv(I, BI))](
-            part, act, block_expert, block_start, block_count,
-            I, part.stride(0), part.stride(1), act.stride(0), limit,
-            HAS_LIMIT=swiglu_limit is not None, XPRE=xpre, SPLIT=split1, BM=BM, BI=BI,
-            num_warps=4)
-    ks2 = I // 2 // split2 // GS
-    down_kernel[(nbm, triton.cdiv(H, BN2), split2)](
-        act, w2, w2_scale, g2, tw, sorted_pair, block_expert, block_start, block_count, ypair,
-        H, I // 2 // split2, ks2, I // 2,
-        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        ypair.stride(1), ypair.stride(0),
-        IS_NV=is_nv, DOT_FP32=dot_fp32, BM=BM, BN=BN2, BKH=BK2 // 2, GS=GS, FASTDEC=fast,
-        XPRE=xpre, ROWMAX=rowmax, CHAIN=is_nv or rowmax,
-        RKC=min(ROW_CHUNK, triton.next_power_of_2(ks2)) if rowmax else 16,
-        num_warps=tiles.num_warps, num_stages=num_stages)
-    BH = min(1024, triton.next_power_of_2(H))
-    combine_kernel[(T, triton.cdiv(H, BH))](
-        ypair, ids, out, H, E, ypair.stride(1), ypair.stride(0), out.stride(0),
-        TOPK=topk, SPLIT=split2, BH=BH, num_warps=4)
-    return out
+    launches = planned(_LAUNCHES, (dev, T, H, E, two_i, topk, x.dtype, topk_ids.dtype, fmt,
+                                   swiglu_limit is not None, tiles), dev,
+                       lambda: MoeLaunches(dev, T, H, E, two_i // 2, topk, x.dtype,
+                                           topk_ids.dtype, fmt, swiglu_limit is not None, tiles))
+    return launches(*contiguous_args(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights,
+                                 w13_global, w2_global), swiglu_limit)
+
+
+def contiguous_args(*tensors):
+    """The tensors (None kept), each made contiguous if it is not."""
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)

@@ -1,0 +1,283 @@
+"""Launching Triton kernels with the least host work, and value checks that cost one read.
+
+Why. A JIT launch, ``kernel[grid](*args, **kw)``, binds every argument, asks each one's
+specialisation (a pointer's dtype and 16-byte alignment; an int equal to 1, divisible by 16,
+32- or 64-bit), builds the compile cache's key and looks it up, on every call: about 35 us of
+host time for 30 arguments on the H200's host, three times a tiny torch op. The compiled
+kernel that lookup finds has its own launcher, which takes the arguments as they are (about
+11 us there). A decode call of a few launches is host-bound by that difference.
+
+:class:`Launch` is one launch of a launch plan: a kernel, its grid, the arguments fixed by the
+plan (ints that follow from the shapes, constexprs) and the launch options. Its first call
+goes through the JIT and keeps the compiled kernel the JIT returns; later calls merge the
+per-call arguments (tensors, floats, and ints the kernel does not specialise on) with the
+fixed ones, in the kernel's order, and hand them to the compiled kernel's launcher. The
+per-call tensors' dtypes and alignment are the rest of the JIT's key, so a call whose tensors
+differ from the first call's in either goes through the JIT again (which compiles or finds
+the matching kernel); so does a call on another current device, or with Triton's launch
+hooks set (a profiler). Under Triton's interpreter every call is a JIT call.
+
+:func:`workspace`: buffers a plan's launches pass to each other within one call (split-KV
+partials, counters), kept per (plan, device, stream): calls on one stream run in order, so
+a buffer is never in use by two calls at once; while a CUDA graph is being captured they are
+allocated afresh (the graph keeps its own). Outputs are never cached.
+
+:func:`value_check`: a slot of a per-(device, stream) ring of int32 flags and a stamp for
+one call's check kernel, which writes ``2 * stamp + bad`` there with an atomic max (so no
+launch zeroes the flag); :meth:`Verdict.failed` reads it back: the call's one host sync,
+after its kernels were launched, so that it overlaps their run.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+
+from dsv4lab.kernels.device import interpreting
+
+# ----------------------------------------------------------------------------------------
+# The current stream and device, as the JIT reads them
+# ----------------------------------------------------------------------------------------
+
+
+def stream_of(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream (0 for a CPU tensor)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is being captured into a graph (False on the CPU)."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
+
+
+def _hooks_active() -> bool:
+    """Whether a launch hook is set (Triton's HookChain of 3.6 / 3.9, or a plain callable)."""
+    hook = _RUNTIME_KNOBS.launch_enter_hook
+    return bool(getattr(hook, "calls", hook))
+
+
+_RUNTIME_KNOBS = triton.knobs.runtime
+_TENSOR = torch.Tensor      # what a per-call tensor argument is (tests use stand-ins)
+
+
+# ----------------------------------------------------------------------------------------
+# One launch of a plan
+# ----------------------------------------------------------------------------------------
+
+
+def kernel_params(kernel) -> list[tuple[str, bool, object]]:
+    """(name, is_constexpr, default) of each parameter of a triton.jit / gluon.jit kernel
+    (or of the kernel a stand-in's ``fn`` names, as the MoE family's offline recorder)."""
+    k = kernel
+    while not hasattr(k, "arg_names") and hasattr(k, "fn"):
+        k = k.fn
+    fn = k.fn if hasattr(k, "fn") else k
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        ann = p.annotation
+        const = ann is not inspect.Parameter.empty and "constexpr" in (
+            ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann)))
+        out.append((p.name, const, p.default))
+    return out
+
+
+class Launch:
+    """One launch of a plan: ``Launch(kernel, grid, fixed, device=..., **options)``, then
+    ``launch(*per_call)``.
+
+    ``fixed``: the value of every parameter that the plan fixes (its ints and constexprs; a
+    constexpr not named takes its default); the remaining parameters, in the kernel's order,
+    are the per-call arguments. A per-call int must be one the kernel does not specialise on
+    (``do_not_specialize``) and stay within int32. ``options``: the launch options of the JIT
+    call (num_warps, num_stages, launch_pdl, maxnreg). ``jit_context``: a context manager
+    factory the JIT calls run inside (the L2 hint's compile hook). ``guard``: the positions of
+    the per-call tensors whose dtype and alignment each fast launch checks (default: all of
+    them); a launcher leaves out the buffers it allocates itself (always 16-byte aligned, of
+    the plan's dtype), as each check costs host time."""
+
+    __slots__ = ("kernel", "grid", "options", "device", "jit_context", "names", "fixed_values",
+                 "merge", "compiled", "tensors", "dev_index", "n_call", "on_gpu", "n_positional",
+                 "guard")
+
+    def __init__(self, kernel, grid, fixed: dict, *, device: torch.device, jit_context=None,
+                 guard: tuple | None = None, **options):
+        grid = tuple(int(g) for g in grid)
+        self.kernel = kernel
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.options = options
+        self.device = device
+        self.jit_context = jit_context
+        params = kernel_params(kernel)
+        self.names = [name for name, _, _ in params]
+        unknown = set(fixed) - set(self.names)
+        if unknown:
+            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: no parameter {sorted(unknown)}")
+        values, parts, n_call = [], [], 0
+        for name, const, default in params:
+            if name in fixed:
+                parts.append(f"f[{len(values)}]")
+                values.append(fixed[name])
+            elif const:
+                if default is inspect.Parameter.empty:
+                    raise TypeError(f"constexpr {name} has no value and no default")
+                parts.append(f"f[{len(values)}]")
+                values.append(default)
+            else:
+                parts.append(f"a[{n_call}]")
+                n_call += 1
+        self.fixed_values = tuple(values)
+        self.n_call = n_call
+        # the JIT call passes the parameters before the first constexpr by position and the
+        # rest by name, as a hand-written ``kernel[grid](...)`` call does
+        consts = [i for i, (_, const, _) in enumerate(params) if const]
+        self.n_positional = consts[0] if consts else len(params)
+        # the kernel's full argument tuple from (per-call args, fixed values), in its order
+        self.merge = eval("lambda a, f: (" + ", ".join(parts) + ",)")   # noqa: S307
+        self.compiled = None
+        self.tensors = ()
+        self.guard = guard
+        self.on_gpu = device.type == "cuda"
+        self.dev_index = None
+
+    def __call__(self, *args):
+        ck = self.compiled
+        if ck is not None:
+            for i, dtype in self.tensors:
+                t = args[i]
+                if t.dtype is not dtype or t.data_ptr() & 15:
+                    break
+            else:
+                if torch._C._cuda_getDevice() == self.dev_index and not _hooks_active():
+                    g0, g1, g2 = self.grid
+                    ck.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.dev_index),
+                           ck.function, ck.packed_metadata, None, None, None,
+                           *self.merge(args, self.fixed_values))
+                    return
+        self.jit(*args)
+
+    def jit(self, *args):
+        """The launch through the JIT (and, on a GPU, the compiled kernel kept for later)."""
+        if len(args) != self.n_call:
+            raise TypeError(f"expected {self.n_call} per-call arguments, got {len(args)}")
+        full = self.merge(args, self.fixed_values)
+        k = self.n_positional
+        named = dict(zip(self.names[k:], full[k:]), **self.options)
+        runner = self.kernel[self.grid]
+        if self.jit_context is not None:
+            with self.jit_context():
+                ck = runner(*full[:k], **named)
+        else:
+            ck = runner(*full[:k], **named)
+        if (self.compiled is None and self.on_gpu and not interpreting()
+                and hasattr(ck, "packed_metadata")):
+            tensors = tuple((i, a.dtype) for i, a in enumerate(args) if isinstance(a, _TENSOR))
+            if all(args[i].data_ptr() % 16 == 0 for i, _ in tensors):
+                self.tensors = tensors if self.guard is None else \
+                    tuple((i, d) for i, d in tensors if i in self.guard)
+                self.dev_index = torch.cuda.current_device()
+                ck.run   # noqa: B018  (loads the module: later launches find it ready)
+                self.compiled = ck
+
+
+def planned(table: dict, key, device: torch.device, make):
+    """``table[key]``, made by ``make()`` on first use; never kept for a meta device (the
+    offline compiles, whose kernels are stand-ins)."""
+    value = table.get(key)
+    if value is None:
+        value = make()
+        if device.type != "meta":
+            table[key] = value
+    return value
+
+
+# ----------------------------------------------------------------------------------------
+# Workspaces: buffers that live within one call
+# ----------------------------------------------------------------------------------------
+
+_WORKSPACES: dict = {}
+WORKSPACE_MAX_BYTES = 32 << 20      # a larger buffer is allocated per call (its kernels dominate)
+WORKSPACE_MAX_ENTRIES = 256
+
+
+def workspace(key, device: torch.device, make):
+    """``make()`` (a tensor or a tuple of tensors, or Nones, that one call's launches share), kept per
+    (``key``, device, current stream) on a GPU or the CPU; made afresh while a CUDA graph is
+    being captured, on other devices (meta) and above :data:`WORKSPACE_MAX_BYTES`."""
+    if device.type == "cuda":
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return make()
+        k = (key, device.index, stream_of(device))
+    elif device.type == "cpu":
+        k = (key, None, 0)
+    else:
+        return make()
+    ws = _WORKSPACES.get(k)
+    if ws is None:
+        ws = make()
+        if _nbytes(ws) <= WORKSPACE_MAX_BYTES:
+            if len(_WORKSPACES) >= WORKSPACE_MAX_ENTRIES:
+                _WORKSPACES.clear()
+            _WORKSPACES[k] = ws
+    return ws
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a tensor, None, or nested tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, tuple):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# Value checks: one flag word a call, read once
+# ----------------------------------------------------------------------------------------
+
+RING = 64                 # flag slots per (device, stream): a slot is reused 64 calls later
+STAMP_LIMIT = 1 << 29     # 2 * stamp + 1 stays an int32; the ring restarts there
+
+
+class _Ring:
+    __slots__ = ("flags", "views", "count")
+
+    def __init__(self, device):
+        self.flags = torch.zeros(RING, dtype=torch.int32, device=device)
+        self.views = self.flags.unbind(0)
+        self.count = 0
+
+
+_RINGS: dict = {}
+
+
+class Verdict:
+    """One call's value check in flight: :meth:`failed` reads its flag (a host sync)."""
+    __slots__ = ("view", "stamp")
+
+    def __init__(self, view, stamp):
+        self.view, self.stamp = view, stamp
+
+    def failed(self) -> bool:
+        """Whether the check kernel found a bad value (also True if its flag does not hold
+        this call's stamp, which only a kernel that did not run leaves: the caller's full
+        check then decides)."""
+        return self.view.item() != 2 * self.stamp
+
+
+def value_check(device: torch.device) -> tuple[torch.Tensor, int, int, Verdict]:
+    """``(flags, slot, stamp, verdict)`` for one call's check kernel on ``device``'s current
+    stream: the kernel does ``atomic_max(flags + slot, 2 * stamp + bad)``."""
+    key = (device.type, device.index, stream_of(device))
+    ring = _RINGS.get(key)
+    if ring is None:
+        ring = _RINGS[key] = _Ring(device)
+    ring.count += 1
+    if ring.count >= STAMP_LIMIT:
+        ring.flags.zero_()
+        ring.count = 1
+    slot = ring.count % RING
+    return ring.flags, slot, ring.count, Verdict(ring.views[slot], ring.count)
