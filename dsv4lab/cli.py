@@ -4,6 +4,7 @@ function of the module that does the work.
     dsv4lab run [--only 00,03] [--smoke | --full]   execute the notebooks headless
     dsv4lab report                                  the executed notebooks as HTML, with an index
     dsv4lab bench NAME... [--smoke] [--record]      run benchmarks and record their rows
+                [--checkpoint DIR --layers 2,3,4]   (step: a checkpoint's real layers)
     dsv4lab env                                     device, versions, roofline, kernels per GPU
     dsv4lab targets [NAME...]                       the campaign's goals against the recorded rows
     dsv4lab train [--steps N | --minutes M] ...     train the mini model and its MTP layer
@@ -15,6 +16,7 @@ Explained in notebooks/00_tour.ipynb.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -162,6 +164,15 @@ def cmd_bench(args) -> int:
     if args.l2:
         os.environ["DSV4LAB_L2"] = args.l2      # read by dsv4lab.bench's timers
     record = not args.no_record and (args.record or not smoke)
+    # options a benchmark takes as keyword arguments (its function's parameters say which)
+    options = {k: v for k, v in (("checkpoint", args.checkpoint), ("layers", args.layers)) if v is not None}
+    for name in names:
+        if options and name in known:
+            takes = inspect.signature(known[name].fn).parameters
+            refused = [k for k in options if k not in takes]
+            if refused:
+                print(f"bench {name} takes no --{refused[0]} (it applies to: step)", file=sys.stderr)
+                return 2
     failed = 0
     for name in names:
         if name in broken:
@@ -170,7 +181,7 @@ def cmd_bench(args) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            rows = bench.run(name, smoke=smoke, record=record)
+            rows = bench.run(name, smoke=smoke, record=record, **options)
         except Exception as e:  # one line per failed benchmark; --traceback shows where
             if args.traceback:
                 traceback.print_exc()
@@ -306,6 +317,11 @@ def build_parser(*, list_benchmarks: bool = False) -> Parser:
     p.add_argument("--l2", choices=("dirty", "clean"), default=None,
                    help="L2 state before each timed call (default $DSV4LAB_L2, else dirty); see dsv4lab.bench")
     p.add_argument("--traceback", action="store_true", help="show where a failing benchmark failed")
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="step: run the real layers of a checkpoint in the released layout (config.json, "
+                        "model.safetensors.index.json, shards)")
+    p.add_argument("--layers", metavar="LIST", default=None,
+                   help="step, with --checkpoint: the layers to measure, e.g. 2,3,4 (default: one of each kind)")
 
     sub.add_parser("env", help="device, versions, roofline, and the kernel each op runs per GPU")
 

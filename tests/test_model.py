@@ -5,7 +5,9 @@ Tolerances: everything here runs in fp32. Decode vs training forward: |dlogits| 
 (the two paths sum in different orders; measured ~1e-6). Interpreter (Triton) backends vs
 torch backends: 2e-3 (the kernels accumulate in fp32 but in their own order, and the FP4
 MoE dequantises in-kernel). FP8 KV cache: compared with a dense cache holding the same
-rounded rows (exact up to 1e-4).
+rounded rows (exact up to 1e-4). FP8 block-scaled projections: e4m3 keeps 3 mantissa bits, so a
+weight moves by at most 2^-4 of its magnitude (the test measures it); the decode path and the
+training path of an FP8 model dequantise the same weights (agreement 1e-4).
 """
 import math
 
@@ -14,8 +16,8 @@ import torch
 
 from dsv4lab.config import DSV4Config
 from dsv4lab.engine import Engine
-from dsv4lab.model import (DSV4, Block, HyperConnection, LayerCache, load_checkpoint, make_meta,
-                           save_checkpoint, tiny_config)
+from dsv4lab.model import (DSV4, Block, BlockScaledFP8Linear, HyperConnection, LayerCache, fp8_block_quantize,
+                           load_checkpoint, make_meta, save_checkpoint, set_projections_, shared_clone, tiny_config)
 from dsv4lab.ops.mhc import sinkhorn
 from dsv4lab import ops
 
@@ -268,3 +270,123 @@ def test_flash_size_layer_decodes_on_gpu():
     with torch.no_grad():
         y = blk.forward_decode(x, toks, meta, cache, {"sparse_mla_decode": "mma", "fused_moe": "triton"})
     assert y.shape == x.shape and torch.isfinite(y.float()).all()
+
+
+# ---------------------------------------------------------------- FP8 projections, overlap ----
+@pytest.mark.parametrize("shape", [(1, 1), (64, 32), (128, 128), (130, 257), (300, 129)])
+def test_fp8_block_quantize_scales_are_powers_of_two_and_fit(shape):
+    torch.manual_seed(0)
+    w = torch.randn(*shape) * 10.0 ** torch.randint(-3, 3, (1,)).item()
+    w[: min(shape[0], 3)] = 0.0                                    # some all-zero rows
+    q, s = fp8_block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128)) and s.dtype == torch.float32
+    assert bool((torch.frexp(s).mantissa == 0.5).all())           # powers of two (ue8m0)
+    lin = BlockScaledFP8Linear(q, s)
+    back = lin.dequantize()
+    assert (back.abs() <= 448 * s.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]).all()
+    err = (back - w).abs()
+    assert bool((err <= w.abs() * 2 ** -4 + s.min() * 2 ** -9).all())  # round to nearest e4m3 (subnormals: abs)
+    x = torch.randn(3, shape[1])
+    assert torch.allclose(lin(x), x @ back.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fp8_block_quantize(torch.full((2, 2), float("inf")))
+    with pytest.raises(ValueError, match="weight_scale"):
+        BlockScaledFP8Linear(q, s[:, :0])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fp8_projections_and_overlap_decode_matches_training(overlap):
+    m = _model(index_topk=16, extra={"compress_overlap": overlap}).quantize_projections("fp8")
+    att = m.layers[1].attn
+    assert m.projections == "fp8" and isinstance(att.wq_b, BlockScaledFP8Linear)
+    assert isinstance(att.wo_a, BlockScaledFP8Linear) and not m.layers[1].moe.shared.fused
+    assert isinstance(att.compressor.wkv, torch.nn.Linear)         # compressors stay bf16 (as released)
+    D = m.cfg.head_dim
+    assert att.compressor.wkv.weight.shape[0] == (2 * D if overlap else D)
+    assert m.layers[2].attn.compressor.wkv.weight.shape[0] == D    # ratio 8: never overlapping
+    toks = torch.randint(0, 256, (2, 37))
+    with torch.no_grad():
+        ref, _, _ = m.forward_train(toks)
+        eng = Engine(m, max_batch=2, max_len=64, page_size=8, backends=TORCH)
+        assert eng.cache.main[1].comp_kv.shape[-1] == (2 * D if overlap else D)
+        for chunks in ([37], [3, 1, 1, 32]):
+            lg = _decode_chunks(m, eng, toks, chunks, TORCH)
+            assert (lg - ref).abs().max().item() < FP32_TOL, chunks
+
+
+def test_overlapping_compressor_pools_two_blocks():
+    """Entry j pools its own r tokens (second half of the projection) and the r before them
+    (first half); entry 0 its own only."""
+    m = _model(extra={"compress_overlap": True})
+    c = m.layers[1].attn.compressor
+    torch.manual_seed(3)
+    x = torch.randn(1, 12, m.cfg.hidden_size)
+    with torch.no_grad():
+        got = c.forward_train(x)                                     # [1, 3, D]
+        kv, gate = c.project(x)
+        d = c.out_dim
+        g = gate + torch.cat([c.ape, c.ape, c.ape])                  # position t mod 4
+        want = []
+        for j in range(3):
+            own = slice(4 * j, 4 * j + 4)
+            if j == 0:
+                k, s = kv[0, own, d:], g[0, own, d:]
+            else:
+                prev = slice(4 * j - 4, 4 * j)
+                k = torch.cat([kv[0, prev, :d], kv[0, own, d:]])
+                s = torch.cat([g[0, prev, :d], g[0, own, d:]])
+            want.append((s.softmax(0) * k).sum(0))
+        want = c.norm(torch.stack(want)[None])
+    from dsv4lab.model import rope_tail
+    want = rope_tail(want, torch.arange(3) * 4, c.rope_dim, c.theta)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_projection_variants_share_everything_else():
+    m = _model(fmt="mxfp4")
+    blk = m.layers[1]
+    fp8 = set_projections_(shared_clone(blk), "fp8")
+    assert isinstance(fp8.attn.wq_a, BlockScaledFP8Linear) and not isinstance(blk.attn.wq_a, BlockScaledFP8Linear)
+    assert fp8.moe.w13 is blk.moe.w13 and fp8.attn.compressor.wkv.weight is blk.attn.compressor.wkv.weight
+    assert fp8.attn.attn_sink is blk.attn.attn_sink
+    back = set_projections_(shared_clone(fp8), "bf16")
+    assert back.moe.shared.fused and back.attn.wo_a.shape == blk.attn.wo_a.shape
+    assert torch.equal(back.attn.wq_b.weight, fp8.attn.wq_b.dequantize())
+    odd = _model(o_lora_rank=48).quantize_projections("fp8")       # 48-row groups straddle 128-row blocks
+    x = torch.randn(3, odd.cfg.num_heads, odd.cfg.head_dim)
+    pos = torch.arange(3)
+    att = odd.layers[0].attn
+    want = set_projections_(shared_clone(att), "bf16").project_out(x, pos)
+    assert torch.allclose(att.project_out(x, pos, backends={}), want, atol=1e-5)
+
+
+def test_fp8_model_saves_and_loads(tmp_path):
+    m = _model().quantize_projections("fp8")
+    save_checkpoint(m, tmp_path / "m.safetensors")
+    m2 = load_checkpoint(tmp_path / "m.safetensors")
+    assert m2.projections == "fp8"
+    toks = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(m.forward_train(toks)[0], m2.forward_train(toks)[0])
+
+
+def test_nvfp4_per_expert_globals():
+    from dsv4lab import quant
+    m = _model(fmt="bf16")
+    moe = m.layers[1].moe
+    dense13, dense2 = moe.dense_experts()
+    q13 = [quant.nvfp4_quantize(w) for w in dense13]
+    q2 = [quant.nvfp4_quantize(w) for w in dense2]
+    st = lambda qs, j: torch.stack([q[j] for q in qs])  # noqa: E731
+    moe._set_quantized("nvfp4", st(q13, 0), st(q13, 1), st(q2, 0), st(q2, 1), st(q13, 2), st(q2, 2))
+    assert moe.w13_global.shape == (moe.n_experts,)
+    w13, _ = moe.dense_experts()
+    want = torch.stack([quant.nvfp4_dequantize(*q) for q in q13])
+    assert torch.equal(w13, want)
+    x = torch.randn(5, m.cfg.hidden_size)
+    toks = torch.randint(0, 256, (5,))
+    with torch.no_grad():
+        got = moe.forward_decode(x, toks, {"fused_moe": "torch"})
+        ref = moe.forward_train(x[None], toks[None])[0]
+    assert (got - ref).abs().max().item() < FP32_TOL

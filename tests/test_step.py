@@ -3,7 +3,9 @@
 Tolerances (relative L2 error, documented in dsv4lab.drivers.step): presets with bf16 KV on both
 sides agree within ``TOL_SAME_KV`` (2e-2: bf16 roundings of the attention output, fp32
 vs bf16 indexer keys cannot change the selection while every entry is visible); the FP8
-KV cache (real size only) within ``TOL_FP8_KV`` (6e-2: e4m3 latent values).
+KV cache (real size only) within ``TOL_FP8_KV`` (6e-2: e4m3 latent values); FP8 projections
+against bf16 ones on the same layers within ``TOL_FP8_PROJ`` (1e-1: e4m3 weights). Every preset
+matches the torch references with its own projections within ``TOL_SAME_KV``.
 """
 import math
 
@@ -41,7 +43,7 @@ def runs(driver):
 
 
 # ---------------------------------------------------------------- presets -------------
-CONFIG_FIELDS = ("attention", "indexer", "indexer_dtype", "kv_cache", "moe", "mhc", "max_context")
+CONFIG_FIELDS = ("attention", "indexer", "indexer_dtype", "kv_cache", "moe", "mhc", "projections", "max_context")
 
 
 def _diff(a: P.StepConfig, b: P.StepConfig) -> set:
@@ -54,8 +56,9 @@ def test_presets_change_one_thing_at_a_time():
     assert before.max_context == after.max_context == 1048576
     assert (before.attention, before.indexer, before.indexer_dtype, before.kv_cache) == \
         ("simt", "torch_fallback", "fp32", "bf16")
-    assert (after.attention, after.indexer, after.indexer_dtype, after.kv_cache, after.moe) == \
-        ("mma", "triton", "fp8", "fp8", "triton")
+    assert (after.attention, after.indexer, after.indexer_dtype, after.kv_cache, after.moe, after.projections) == \
+        ("mma", "triton", "fp8", "fp8", "triton", "fp8")
+    assert before.projections == "bf16" and P.preset("after_bf16_proj", cfg).projections == "bf16"
     for name in P.SINGLE_CHANGES:
         p = P.preset(name, cfg)
         assert len(_diff(p, before)) == 1, (name, _diff(p, before))
@@ -85,6 +88,8 @@ def test_bad_configs_fail_early(driver):
         driver.prepare(P.StepConfig(attention="flashmla"), batch=1, context=8)
     with pytest.raises(ValueError, match="unknown preset"):
         P.preset("fastest")
+    with pytest.raises(ValueError, match="projections"):
+        driver.prepare(P.StepConfig(projections="int8"), batch=1, context=8)
 
 
 # ---------------------------------------------------------------- every preset runs ---
@@ -107,12 +112,16 @@ def test_every_preset_runs_and_components_sum(runs, name):
     assert row["max_context"] == (P.cap_context(MINI) if name == "cap_8k" else MINI.max_position_embeddings)
 
 
-def test_presets_agree_numerically(runs):
-    ref = runs["before"][1]["outputs"]
+def test_presets_agree_numerically(driver, runs):
+    refs = {p: driver.run(driver.prepare(P.reference(P.StepConfig(projections=p)), batch=BATCH, context=CONTEXT))
+            for p in P.PROJECTIONS}
     for name in P.PRESET_NAMES:
-        err = S.compare_outputs(runs[name][1]["outputs"], ref)
+        err = S.compare_outputs(runs[name][1]["outputs"], refs[runs[name][0].step.projections])
         assert set(err) == {0, 4, 128, "attention 0", "attention 4", "attention 128", "logits"}
         assert max(err.values()) <= S.TOL_SAME_KV, (name, err)
+    # FP8 projections change the layers' outputs, within their tolerance, and not by nothing
+    err = S.compare_outputs(runs["after"][1]["outputs"], runs["after_bf16_proj"][1]["outputs"])
+    assert 1e-4 < max(err.values()) <= S.TOL_FP8_PROJ, err
 
 
 def test_attention_differs_when_the_cache_differs(driver, runs):
@@ -198,6 +207,73 @@ def test_cache_pages_follow_context_tables_follow_max_context(driver):
     assert a.pages[4] < a.metas[4].cblock_table.numel()       # far fewer pages than the table spans
 
 
+def test_fp8_layers_share_everything_but_the_projections(driver):
+    bf16, fp8 = driver.blocks("bf16"), driver.blocks("fp8")
+    assert driver.blocks("fp8") is fp8 and bf16[4][0] is driver.layers[4]
+    a, b = bf16[4][0], fp8[4][0]
+    assert isinstance(b.attn.wq_b, M.BlockScaledFP8Linear) and not isinstance(a.attn.wq_b, M.BlockScaledFP8Linear)
+    assert b.moe.w13 is a.moe.w13 and b.attn.compressor.wkv.weight is a.attn.compressor.wkv.weight
+    assert a.attn.compressor.wkv.weight.shape[0] == 2 * MINI.head_dim        # the released overlap
+    with pytest.raises(ValueError, match="projections"):
+        driver.blocks("fp16")
+
+
+def test_rows_say_the_formats_and_the_bytes(runs):
+    a, b = runs["after"][2], runs["after_bf16_proj"][2]
+    assert (a["projections"], b["projections"]) == ("fp8", "bf16") and a["experts"] == "mxfp4"
+    assert a["compressor_overlap"] and a["weights"] == "random"
+    assert b["dense_weight_bytes"] > 1.5 * a["dense_weight_bytes"]
+    assert b["bytes_per_step"] - a["bytes_per_step"] == b["dense_weight_bytes"] - a["dense_weight_bytes"]
+    assert b["roofline_step_ms"] > a["roofline_step_ms"]
+
+
+def test_dense_weight_bytes_count_every_projection():
+    """The bytes model against the parameters of real (meta-device) layers of each kind."""
+    cfg = DSV4Config.flash().replace(extra={"compress_overlap": True})
+    blocks = {}
+    with torch.device("meta"):
+        for r, lid in S.representative_layers(cfg).items():
+            blocks[r] = M.Block(cfg, lid, expert_format="mxfp4")
+    counts = S.layer_counts(cfg)
+    skip = ("norm", "hc_", "ape", "attn_sink", "moe.w13", "moe.w2", "moe.bias", "tid2eid")
+    per = {r: sum(p.numel() for n, p in b.named_parameters() if not any(k in n for k in skip))
+           for r, b in blocks.items()}
+    bf16 = S.dense_weight_bytes(cfg, "bf16")
+    assert bf16 == 2 * (sum(counts[r] * per[r] for r in counts) + cfg.vocab_size * cfg.hidden_size)
+    fp8 = S.dense_weight_bytes(cfg, "fp8")
+    assert 0.5 * bf16 < fp8 < 0.6 * bf16                  # compressors, router, head stay bf16
+    one = S.step_bytes(cfg, projections="fp8", concurrency=1, context=512, device="H200")
+    two = S.step_bytes(cfg, projections="bf16", concurrency=1, context=512, device="H200")
+    assert two["other_bytes"] == one["other_bytes"] and two["roofline_step_ms"] > 1.4 * one["roofline_step_ms"]
+
+
+def test_driver_from_a_checkpoint(tmp_path):
+    from dsv4lab import checkpoint as C
+    path = C.write_tiny_checkpoint(tmp_path / "ck", "fp8")
+    drv = S.StepDriver(checkpoint=path, layers="2,3,4")
+    assert drv.measured == {0: [1], 4: [2, 4], 128: [3]} and drv.weights == {0: "random", 4: "checkpoint",
+                                                                                 128: "checkpoint"}
+    assert drv.base_projections == "fp8" and isinstance(drv.layers[4].attn.wq_b, M.BlockScaledFP8Linear)
+    assert isinstance(drv.layers[0].attn.wq_b, M.BlockScaledFP8Linear)          # random kinds: same format
+    src = C.tiny_release_model("fp8")
+    assert torch.equal(drv.head.head.weight.float(), src.head.weight)
+    for name in ("after", "after_bf16_proj"):
+        state = drv.prepare(P.preset(name, drv.cfg), batch=2, context=CONTEXT)
+        prof = drv.profile(state)
+        row = drv.row(state, prof)
+        assert row["weights"] == "checkpoint" and row["layers_measured"] == {"0": 1, "4": [2, 4], "128": 3}
+        assert row["random_kinds"] == [0] and row["projections"] == P.preset(name).projections
+        assert math.isclose(sum(row[f"ms_{c}"] for c in S.COMPONENTS), row["step_ms"], rel_tol=1e-9)
+        assert math.isclose(prof["run_ms"], prof["measured_ms"] + sum(prof["kind_ms"][4].values()), rel_tol=1e-9)
+        assert all(torch.isfinite(v.float()).all() for v in prof["outputs"].values())
+    with pytest.raises(ValueError, match="layers"):
+        S.StepDriver(checkpoint=path, layers="2,x")
+    with pytest.raises(ValueError, match="not a layer"):
+        S.StepDriver(checkpoint=path, layers=[9])
+    with pytest.raises(ValueError, match="checkpoint"):
+        S.StepDriver(MINI, layers=[1])
+
+
 # ---------------------------------------------------------------- timing marks --------
 def test_marks_segments_and_modes():
     with pytest.raises(ValueError, match="kind"):
@@ -251,7 +327,8 @@ def test_targets_from_rows():
             dict(preset="after", max_context=131072, tokens_per_s=590.0, **base),
             dict(preset="after", max_context=1048576, tokens_per_s=540.0, **base),
             dict(preset="after", max_context=1048576, tokens_per_s=1.0, mode="eager", **base),
-            dict(preset="indexer_triton", max_context=1048576, tokens_per_s=1.0, timing="eager_events", **base)]
+            dict(preset="indexer_triton", max_context=1048576, tokens_per_s=1.0, timing="eager_events", **base),
+            dict(preset="after", max_context=1048576, tokens_per_s=9e9, weights="checkpoint", **base)]
     t = {x["target"].split(" (")[0]: x for x in S.targets(rows)}
     assert math.isclose(t["indexer_triton alone vs before"]["value"], 15.0) and t["indexer_triton alone vs before"]["met"]
     # Amdahl: 2000 ms with a 1900 ms indexer -> no indexer beats 2000 / 100 = 20x
@@ -267,7 +344,9 @@ def test_plots_keep_graph_and_eager_rows_apart():
     rows = [dict(preset="after", tokens_per_s=700.0, mode="graph", **base),
             dict(preset="after", tokens_per_s=500.0, mode="eager", **base),
             dict(preset="before", tokens_per_s=100.0, timing="cuda_graph_events", **base)]
+    rows.append(dict(preset="after", tokens_per_s=1.0, mode="graph", weights="checkpoint", **base))
     graph, eager = SP.usable(rows), SP.usable(rows, mode="eager")
+    assert [r["tokens_per_s"] for r in SP.usable(rows, weights="checkpoint")] == [1.0]
     assert {r["preset"] for r in graph} == {"after", "before"} and [r["tokens_per_s"] for r in eager] == [500.0]
     h = {x["preset"]: x for x in SP.headline_rows(graph, eager) if x["concurrency"] == 64}
     assert h["after"]["tokens_per_s"] == 700.0 and h["after"]["eager_tokens_per_s"] == 500.0
@@ -284,6 +363,28 @@ def test_smoke_benchmark_rows():
     assert all(item in B.FULL_GRID for item in B.HEADLINE) and set(B.TARGET_GRID) <= B.HEADLINE
 
 
+def test_bench_step_takes_a_checkpoint_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from dsv4lab import checkpoint as C
+    from dsv4lab import cli
+    monkeypatch.setenv("DSV4LAB_RESULTS_DIR", str(tmp_path / "results"))
+    path = C.write_tiny_checkpoint(tmp_path / "ck", "fp8")
+    seen = {}
+    from dsv4lab.benchmarks import step as B
+    real = B.measure
+
+    def spy(grid, **kw):
+        seen.update(kw, grid=grid)
+        return real(grid[:1], **kw)
+    monkeypatch.setattr(B, "measure", spy)
+    assert cli.main(["bench", "step", "--smoke", "--no-record", "--checkpoint", str(path), "--layers", "2,3"]) == 0
+    assert seen["checkpoint"] == str(path) and seen["layers"] == "2,3" and seen["grid"] == B.CHECKPOINT_SMOKE_GRID
+    assert "weights from" in capsys.readouterr().out
+    assert cli.main(["bench", "moe", "--smoke", "--checkpoint", str(path)]) == 2
+    assert "takes no --checkpoint" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--checkpoint"):
+        B.step_bench(True, layers="2,3")
+
+
 # ---------------------------------------------------------------- real size (GPU) -----
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -291,8 +392,9 @@ def test_real_size_layers_small_batch():
     cfg = DSV4Config.flash()
     drv = S.StepDriver(cfg)
     assert drv.layers[4].moe.fmt == "mxfp4" and drv.layers[4].moe.w13.shape == (256, 4096, 2048)
+    assert drv.layers[4].attn.compressor.wkv.weight.shape == (1024, 4096)    # overlapping, as released
     outs, rows = {}, {}
-    for name in ("before", "after_kv_bf16", "after"):
+    for name in ("before", "after_kv_bf16", "after_bf16_proj", "after"):
         sc = P.preset(name, cfg).replace(max_context=8192)
         state = drv.prepare(sc, batch=2, context=512)      # 128 c4 entries < top-512: all kept
         prof = drv.profile(state, reps=2)
@@ -308,6 +410,10 @@ def test_real_size_layers_small_batch():
     assert eager["mode"] == "eager" and eager["timing"] == "eager_events"
     assert math.isclose(sum(eager[f"ms_{c}"] for c in S.COMPONENTS), eager["step_ms"], rel_tol=1e-9)
     same = S.compare_outputs(outs["after_kv_bf16"], outs["before"])
-    assert max(same.values()) <= S.TOL_SAME_KV, same
-    fp8 = S.compare_outputs(outs["after"], outs["before"])
-    assert max(fp8.values()) <= S.TOL_FP8_KV, fp8
+    assert max(same.values()) <= S.TOL_FP8_PROJ, same               # FP8 projections: the only change
+    fp8 = S.compare_outputs(outs["after_bf16_proj"], outs["before"])
+    assert max(fp8.values()) <= S.TOL_FP8_KV, fp8                  # FP8 KV: the only change
+    proj = S.compare_outputs(outs["after"], outs["after_bf16_proj"])
+    assert max(proj.values()) <= S.TOL_FP8_PROJ, proj
+    assert rows["after"]["projections"] == "fp8" and rows["after"]["dense_weight_bytes"] < \
+        0.6 * rows["after_bf16_proj"]["dense_weight_bytes"]

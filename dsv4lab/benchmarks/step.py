@@ -12,13 +12,19 @@ left and says so, because a killed benchmark records nothing):
 1. the targets at concurrency 64, 512-token contexts: "before" (1M max context), the indexer
    fix alone ("indexer_triton"), the campaign's cap ("cap_8k"), "after" at max context
    8,192 / 131,072 / 1,048,576;
-2. "before" and "after" at concurrency 1, 8, 32, 128 (512-token contexts);
+2. the released formats: "after" (FP8 projections) beside "after_bf16_proj" at concurrency
+   1 and 64; then "before" and "after" at concurrency 1, 8, 32, 128 (512-token contexts);
 3. the other single changes and the ablations of "after" at concurrency 64;
 4. 131,072-token contexts: "after" at every concurrency, "before" at 1, 8, 64, 128;
 5. the rest ("moe_torch", more ablations).
 
 Smoke mode: the same driver on ``DSV4Config.mini()`` in Triton's interpreter ("before" and
 "after", batch 2, 40-token contexts): seconds, and the timings are interpreter wall times.
+
+With a checkpoint in the released layout (``dsv4lab bench step --checkpoint DIR --layers
+2,3,4``; :mod:`dsv4lab.checkpoint`), the driver measures those layers' real weights (kinds not
+listed: random layers in the same formats; no ``--layers``: one layer of each kind) on
+:data:`CHECKPOINT_GRID`, FP8 against bf16 projections; rows say ``weights`` "checkpoint".
 
 Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
@@ -50,9 +56,12 @@ TARGET_GRID = [
     ("after", 64, 512, None),
     ("cap_8k", 64, 512, None),
 ]
+# the released formats: FP8 projections ("after") beside bf16 ones
+PROJECTION_GRID = [("after_bf16_proj", 64, 512, None), ("after", 1, 512, None), ("after_bf16_proj", 1, 512, None)]
 FULL_GRID = (
-    TARGET_GRID
-    + [(p, c, 512, None) for c in (1, 8, 32, 128) for p in ("after", "before")]
+    TARGET_GRID + PROJECTION_GRID
+    + [(p, c, 512, None) for c in (1, 8, 32, 128) for p in ("after", "before")
+       if (p, c, 512, None) not in PROJECTION_GRID]
     + [("mma", 64, 512, None), ("indexer_fp8", 64, 512, None),
        ("after_kv_bf16", 64, 512, None), ("after_simt", 64, 512, None),
        ("after_mhc_torch", 64, 512, None), ("after_mhc_torch", 8, 512, None)]
@@ -64,27 +73,40 @@ FULL_GRID = (
        ("before", 32, 131072, None)]
 )
 # what notebook 06 runs live on a GPU (a few minutes at most)
-NOTEBOOK_GRID = TARGET_GRID + [(p, c, 512, None) for c in (1, 8, 128) for p in ("after", "before")] \
+NOTEBOOK_GRID = TARGET_GRID + PROJECTION_GRID \
+    + [(p, c, 512, None) for c in (1, 8, 128) for p in ("after", "before")
+       if (p, c, 512, None) not in PROJECTION_GRID] \
     + [("mma", 64, 512, None)]
 SMOKE_GRID = [("before", 2, 40, None), ("after", 2, 40, None)]
-# the cases that also record the eager step (the targets, and before/after at concurrency 1)
-HEADLINE = frozenset(TARGET_GRID + [("before", 1, 512, None), ("after", 1, 512, None)])
+# a checkpoint's layers: the released formats against bf16 projections, and "before"
+CHECKPOINT_GRID = [("after", 1, 512, None), ("after_bf16_proj", 1, 512, None), ("after", 64, 512, None),
+                   ("after_bf16_proj", 64, 512, None), ("before", 64, 512, None)]
+CHECKPOINT_SMOKE_GRID = [("after", 2, 40, None), ("after_bf16_proj", 2, 40, None)]
+# the cases that also record the eager step (the targets, before/after at concurrency 1, and
+# the projection formats)
+HEADLINE = frozenset(TARGET_GRID + PROJECTION_GRID + [("before", 1, 512, None)] + CHECKPOINT_GRID)
 
 
 def measure(grid, *, cfg: DSV4Config | None = None, budget_s: float | None = None,
-            reps: int | None = None, verbose: bool = True, eager=HEADLINE) -> list[dict]:
+            reps: int | None = None, verbose: bool = True, eager=HEADLINE, checkpoint=None,
+            layers=None) -> list[dict]:
     """Run ``grid`` (tuples as above) on one :class:`~dsv4lab.drivers.step.StepDriver`; rows out.
 
     One row per configuration (its graph replay, or its eager step where it cannot be
     captured), plus an eager row for the items in ``eager`` on a GPU. Stops starting new
     configurations once ``budget_s`` is nearly spent (reports the rest as skipped on stdout).
+    ``checkpoint`` (a directory) and ``layers`` (e.g. "2,3,4"): that checkpoint's layers.
     """
     t0 = time.perf_counter()
-    cfg = cfg or (DSV4Config.flash() if runtime.has_cuda() else DSV4Config.mini())
     budget = float(budget_s if budget_s is not None else os.environ.get("DSV4LAB_STEP_BUDGET_S", DEFAULT_BUDGET_S))
-    driver = S.StepDriver(cfg)
+    if checkpoint is not None:
+        driver = S.StepDriver(checkpoint=checkpoint, layers=layers)
+    else:
+        driver = S.StepDriver(cfg or (DSV4Config.flash() if runtime.has_cuda() else DSV4Config.mini()))
+    cfg = driver.cfg
     if verbose:
-        print(f"step: {cfg.name} layers {dict(driver.layer_ids)} (ratio: layer id), page {driver.page_size}, "
+        print(f"step: {cfg.name} layers {dict(driver.measured)} (ratio: layer ids, weights "
+              f"{'from ' + driver.checkpoint if driver.checkpoint else 'random'}), page {driver.page_size}, "
               f"built in {time.perf_counter() - t0:.1f} s", flush=True)
     rows, skipped, last = [], [], 0.0
     for item in grid:
@@ -130,7 +152,7 @@ def measure(grid, *, cfg: DSV4Config | None = None, budget_s: float | None = Non
 
 def format_row(row: dict) -> str:
     """One line: configuration, step time, tokens/s, component shares."""
-    head = (f"{row['preset']:15s} c{row['concurrency']:<4d} ctx {row['context']:>7,} "
+    head = (f"{row['preset']:16s} c{row['concurrency']:<4d} ctx {row['context']:>7,} "
             f"max {row['max_context']:>9,} {S.row_mode(row):5s}")
     if "error" in row:
         return f"{head}  ERROR {row['error'][:160]}"
@@ -142,8 +164,16 @@ def format_row(row: dict) -> str:
 
 
 @benchmark("step", "decode step at real scale: before/after per component, tokens/s (43 layers)")
-def step_bench(smoke: bool) -> list[dict]:
-    """The decode-step grid (module docstring); smoke: the mini driver in the interpreter."""
-    if smoke or not runtime.has_cuda():
+def step_bench(smoke: bool, checkpoint=None, layers=None) -> list[dict]:
+    """The decode-step grid (module docstring); smoke: the mini driver in the interpreter.
+    ``checkpoint``/``layers``: a released-layout checkpoint's layers (``--checkpoint``,
+    ``--layers``)."""
+    if layers is not None and checkpoint is None:
+        raise ValueError("--layers picks a checkpoint's layers: give --checkpoint DIR too")
+    small = smoke or not runtime.has_cuda()
+    if checkpoint is not None:
+        return measure(CHECKPOINT_SMOKE_GRID if small else CHECKPOINT_GRID, checkpoint=checkpoint, layers=layers,
+                       budget_s=600 if small else None)
+    if small:
         return measure(SMOKE_GRID, cfg=DSV4Config.mini(), budget_s=600)
     return measure(FULL_GRID)

@@ -1,9 +1,11 @@
-"""The configurations of a decode step: one backend per op and the formats of the caches.
+"""The configurations of a decode step: one backend per op and the formats of the caches and weights.
 
 A :class:`StepConfig` names the sparse-MLA backend ("simt" or "mma"), the indexer backend
 ("torch_fallback", "torch_capped", "triton") and its matmul dtype (fp32, bf16 or fp8 keys),
 the MLA KV cache (bf16 or the 584-byte FP8 layout), the routed-MoE backend ("triton" or the
-"torch" reference), the mHC backend and the max context the server is sized for.
+"torch" reference), the mHC backend, the dense projections' format (bf16, or FP8 e4m3 with
+one power-of-two scale per 128 x 128 block as the released checkpoint stores them) and the
+max context the server is sized for.
 
 The named presets (:func:`preset`):
 
@@ -12,12 +14,14 @@ The named presets (:func:`preset`):
   the Triton MXFP4 kernel: the campaign's main model had a working MoE kernel (the SM100-only
   kernel hit the MTP draft layer only).
 - ``"after"``: MMA attention over the FP8 KV cache, the capture-safe Triton indexer with FP8
-  keys, the Triton MXFP4 MoE; still a 1M max context.
+  keys, the Triton MXFP4 MoE, FP8 projections as released; still a 1M max context. "before"
+  and its single changes keep bf16 projections.
 - single changes from "before" (:data:`SINGLE_CHANGES`): ``"mma"``, ``"indexer_triton"``,
   ``"indexer_fp8"``, ``"cap_8k"`` (the campaign's first fix: the fallback with the max context
   capped), ``"moe_torch"`` (a step without any MoE kernel);
 - ablations of "after" (:data:`ABLATIONS`): ``"after_kv_bf16"``, ``"after_simt"``,
-  ``"after_mhc_torch"``.
+  ``"after_mhc_torch"``, ``"after_bf16_proj"`` (bf16 projections: twice the dense weights'
+  bytes).
 
 Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
@@ -29,6 +33,7 @@ from dsv4lab.config import DSV4Config
 
 INDEXER_DTYPES = ("fp32", "bf16", "fp8")
 KV_FORMATS = ("bf16", "fp8")
+PROJECTIONS = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class StepConfig:
     kv_cache: str = "bf16"             # MLA latent cache: bf16 or the 584-byte FP8 layout
     moe: str = "triton"                # fused_moe backend
     mhc: str = "auto"                  # mhc backend (the hyper-connections' per-token mixing)
+    projections: str = "bf16"          # dense projections: bf16, or FP8 block-scaled (released)
     max_context: int | None = None
     change: str = ""                   # what differs from "before"
     note: str = ""
@@ -69,6 +75,8 @@ class StepConfig:
             raise ValueError(f"indexer_dtype must be one of {INDEXER_DTYPES}, got {self.indexer_dtype!r}")
         if self.kv_cache not in KV_FORMATS:
             raise ValueError(f"kv_cache must be one of {KV_FORMATS}, got {self.kv_cache!r}")
+        if self.projections not in PROJECTIONS:
+            raise ValueError(f"projections must be one of {PROJECTIONS}, got {self.projections!r}")
         out = self
         if self.max_context is None:
             out = out.replace(max_context=cfg.max_position_embeddings)
@@ -92,17 +100,25 @@ TORCH_REFERENCE = StepConfig(name="torch", attention="torch", indexer="torch_fal
                              indexer_dtype="fp32", kv_cache="bf16", moe="torch",
                              note="the fp32 torch references of every op")
 
+
+def reference(step: StepConfig) -> StepConfig:
+    """The fp32 torch references of every op with ``step``'s projections: what ``step``'s
+    outputs are compared against (:data:`TORCH_REFERENCE` is the bf16-projection one)."""
+    return TORCH_REFERENCE.replace(projections=step.projections)
+
+
 _BEFORE = StepConfig(name="before", attention="simt", indexer="torch_fallback", indexer_dtype="fp32",
                      kv_cache="bf16", moe="triton",
                      note="campaign before: SIMT attention, fallback indexer (fp32) at max context")
 _AFTER = StepConfig(name="after", attention="mma", indexer="triton", indexer_dtype="fp8",
-                    kv_cache="fp8", moe="triton",
-                    note="MMA attention over FP8 KV, Triton indexer with FP8 keys, Triton MXFP4 MoE")
+                    kv_cache="fp8", moe="triton", projections="fp8",
+                    note="MMA attention over FP8 KV, Triton indexer with FP8 keys, Triton MXFP4 MoE, "
+                         "FP8 block-scaled projections")
 
 PRESET_NAMES = ("before", "mma", "indexer_triton", "indexer_fp8", "cap_8k", "moe_torch",
-                "after", "after_kv_bf16", "after_simt", "after_mhc_torch")
+                "after", "after_kv_bf16", "after_simt", "after_mhc_torch", "after_bf16_proj")
 SINGLE_CHANGES = ("mma", "indexer_triton", "indexer_fp8", "cap_8k", "moe_torch")
-ABLATIONS = ("after_kv_bf16", "after_simt", "after_mhc_torch")
+ABLATIONS = ("after_kv_bf16", "after_simt", "after_mhc_torch", "after_bf16_proj")
 
 
 def preset(name: str, cfg: DSV4Config | None = None) -> StepConfig:
@@ -138,6 +154,9 @@ def preset(name: str, cfg: DSV4Config | None = None) -> StepConfig:
                                           change="after, mHC triton -> torch",
                                           note="after with the hyper-connections' mixing in plain torch "
                                                "(dozens of tiny kernels a layer)"),
+        "after_bf16_proj": _AFTER.replace(name="after_bf16_proj", projections="bf16",
+                                          change="after, projections fp8 -> bf16",
+                                          note="after with bf16 dense projections (twice their bytes)"),
     }
     if name not in table:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}")

@@ -3,12 +3,19 @@
 What is built (:class:`StepDriver`):
 
 - one real-size decoder layer (:class:`dsv4lab.model.Block`) of each attention kind of the
-  config: compress ratio 0 (sliding window only), 4 (compressor + lightning indexer,
-  top-512) and 128 (compressor, every entry attended), with random weights: routed experts
-  random MXFP4 (scales chosen so a row of W has norm ~1), the other projections PyTorch's
-  default init cast to bf16 (the mHC mixing stays fp32, as the model keeps it). The inputs
+  config: compress ratio 0 (sliding window only), 4 (overlapping compressor + lightning
+  indexer, top-512) and 128 (compressor, every entry attended), with random weights: routed
+  experts random MXFP4 (scales chosen so a row of W has norm ~1), the other projections
+  PyTorch's default init cast to bf16 (the mHC mixing stays fp32, as the model keeps it). A
+  preset's ``projections`` "fp8" runs the same layers with their dense projections
+  block-scaled FP8 (quantised from those bf16 weights, as the released checkpoint stores
+  them; :data:`dsv4lab.model.FP8_PROJECTIONS`): every other tensor is shared. The inputs
   are unit-normal residual streams and every sub-block ends in a normalised projection, so
   activations stay O(1);
+- or, from a checkpoint in the released layout (``StepDriver(checkpoint=DIR, layers=[2, 3,
+  4])``, :mod:`dsv4lab.checkpoint`): those layers' real weights, as stored (FP8 projections,
+  MXFP4 experts), each kind's time the mean of its measured layers, kinds not listed
+  random; the embedding and head from the checkpoint;
 - the embedding and the LM head (with the final mHC reduction and norm);
 - per request a paged cache: pages for the tokens a step actually reads (the sliding window,
   the compressor's block of raw tokens, every compressed entry up to the context), but block
@@ -37,6 +44,13 @@ layer, sampling and the scheduler's host work are left out. Tokens/s =
 ``concurrency * 1000 / step_ms``. Each component is extrapolated the same way, so the
 components add up to ``step_ms``.
 
+Bytes per step (:func:`step_bytes`): :func:`dsv4lab.anatomy.step_anatomy`'s count of the
+43-layer step, with the dense weights counted as this step stores them: the projections of
+:data:`dsv4lab.model.FP8_PROJECTIONS` at 2 bytes a parameter (bf16) or 1 byte plus an fp32
+scale per 128 x 128 block (FP8), the compressors (twice as wide where they overlap), the
+indexer's weights projection and the router at 2 bytes. At decode sizes those projections
+are bound by their bytes, so FP8 halves their time (``roofline_step_ms``).
+
 Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
 from __future__ import annotations
@@ -49,10 +63,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from dsv4lab import anatomy, backends, bench, quant, runtime
+from dsv4lab import anatomy, backends, bench, quant, roofline, runtime
 from dsv4lab import model as M
+from dsv4lab.checkpoint import Checkpoint
+from dsv4lab.checkpoint.layout import embed_slots, head_slots
 from dsv4lab.config import DSV4Config
-from dsv4lab.drivers.presets import StepConfig
+from dsv4lab.drivers.presets import PROJECTIONS, StepConfig
 from dsv4lab.drivers.timing import Marks, capture, mode_of, no_mark, segment_medians
 
 LAYER_COMPONENTS = M.COMPONENTS
@@ -77,6 +93,10 @@ FP8_MAX = 448.0
 # value, averaged over 512 dims and the attended entries).
 TOL_SAME_KV = 2e-2
 TOL_FP8_KV = 6e-2
+# FP8 projections against bf16 ones (same layers): e4m3 rounds each weight by up to 2^-4 of
+# itself, through q LoRA, q up, KV, output and the shared expert in turn (the attention term
+# moves most: ~3.5% at the mini size)
+TOL_FP8_PROJ = 1e-1
 
 
 # ---- counting a 43-layer step --------------------------------------------------------------
@@ -118,6 +138,67 @@ def extrapolate(kind_ms: dict, head_ms: float, cfg: DSV4Config, concurrency: int
             "layer_counts": counts, "model_layers": cfg.num_layers}
 
 
+# ---- bytes per step ----------------------------------------------------------------------------
+
+def dense_weight_bytes(cfg: DSV4Config, projections: str) -> int:
+    """Bytes of the dense weights one 43-layer step reads (main layers and LM head), stored
+    as this step stores them (module docstring): FP8 projections at 1 byte a parameter plus an
+    fp32 scale per 128 x 128 block, or bf16 at 2; compressors, indexer weights and router bf16."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+
+    def proj(N, K):
+        return N * K + 4 * _cdiv(N, 128) * _cdiv(K, 128) if projections == "fp8" else 2 * N * K
+
+    d, H, D, q, G, R = (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups,
+                        cfg.o_lora_rank)
+    I = cfg.moe_intermediate_size * cfg.n_shared_experts
+    total = 2 * cfg.vocab_size * d                                            # LM head (bf16)
+    for layer in range(cfg.num_layers):
+        r = cfg.compress_ratios[layer]
+        total += proj(q, d) + proj(H * D, q) + proj(D, d) + proj(G * R, H // G * D) + proj(d, G * R)
+        total += (2 * proj(I, d) + proj(d, I)) if I else 0                    # the shared expert
+        total += 2 * cfg.n_routed_experts * d                                 # router
+        wide = 2 if M.compress_overlap(cfg, r) else 1
+        if r:
+            total += 2 * (2 * wide * D * d)                                   # compressor wkv, wgate
+        if r == 4:
+            total += proj(cfg.index_n_heads * cfg.index_head_dim, q) + 2 * cfg.index_n_heads * d
+            total += 2 * (2 * wide * cfg.index_head_dim * d)                  # the indexer's compressor
+    return total
+
+
+def _anatomy_dense_bytes(cfg: DSV4Config) -> float:
+    """The same weights as :func:`dsv4lab.anatomy.step_anatomy` counts them (its assumption 1)."""
+    fp8 = anatomy.weight_bytes_per_param("fp8")
+    total = cfg.vocab_size * cfg.hidden_size * 2.0
+    for layer in range(cfg.num_layers):
+        total += sum(n * b for n, b in anatomy.layer_projections(cfg, layer).values())
+        total += cfg.n_shared_experts * anatomy.expert_params(cfg) * fp8
+    return total
+
+
+def step_bytes(cfg: DSV4Config, *, projections: str, concurrency: int, context: int,
+               max_context: int | None = None, experts: str = "mxfp4", indexer: str = "triton",
+               device: str | None = None) -> dict:
+    """Bytes one decode step of the whole model reads (module docstring), and its roofline.
+
+    Returns ``bytes_per_step``, ``dense_weight_bytes`` (:func:`dense_weight_bytes`), the
+    rest (``other_bytes``: KV, indexer keys, routed experts, mHC, activations, from
+    :func:`dsv4lab.anatomy.step_anatomy`), ``roofline_step_ms`` (anatomy's, with the dense
+    weights' time re-counted from their bytes: decode-sized projections are memory-bound)
+    and ``device``. Explained in notebooks/06_decode_step_at_scale.ipynb."""
+    spec = roofline.device_spec(device)
+    rows = anatomy.step_anatomy(cfg, concurrency=concurrency, context=context, max_context=max_context,
+                                weight_format=experts, indexer=indexer, device=spec)
+    tot = anatomy.step_totals(rows)
+    mine, theirs = dense_weight_bytes(cfg, projections), _anatomy_dense_bytes(cfg)
+    other = tot["bytes"] - theirs
+    return {"bytes_per_step": other + mine, "dense_weight_bytes": mine, "other_bytes": other,
+            "roofline_step_ms": tot["step_ms"] + (mine - theirs) / spec.bandwidth * 1e3, "device": spec.name,
+            "projections": projections, "concurrency": concurrency, "context": context}
+
+
 # ---- the layers ------------------------------------------------------------------------------
 
 class Head(nn.Module):
@@ -147,21 +228,8 @@ def build_layer(cfg: DSV4Config, layer_id: int, *, device=None, dtype=torch.bflo
     """One decoder layer with random weights, built directly on ``device`` (real size fits:
     the packed MXFP4 experts are ~3.3 GB a layer), floats cast to ``dtype``."""
     device = torch.device(device) if device is not None else runtime.device()
-    hashed = layer_id < cfg.n_hash_layers
     with torch.device(device):
-        try:
-            blk = M.Block(cfg, layer_id, expert_format)
-        except (RuntimeError, TypeError, ValueError):
-            if not hashed:
-                raise
-            # the hash table is drawn with a CPU generator, which a CUDA default device refuses
-            # in some torch versions: build without it and draw the table on the CPU
-            blk = M.Block(cfg.replace(n_hash_layers=0), layer_id, expert_format)
-            g = torch.Generator().manual_seed(1234 + layer_id)
-            table = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g,
-                               device="cpu").argsort(-1)[:, :cfg.n_experts_per_tok]
-            blk.moe.hashed = True
-            blk.moe.register_buffer("tid2eid", table.to(torch.int32).to(device))
+        blk = M.Block(cfg, layer_id, expert_format)
     M.to_dtype(blk, dtype)
     blk.eval()
     for p in blk.parameters():
@@ -250,30 +318,96 @@ class StepState:
     pages: dict = field(default_factory=dict)
 
 
+def parse_layers(layers) -> list[int]:
+    """``"2,3,4"`` or ``[2, 3, 4]`` -> ``[2, 3, 4]`` (ValueError naming what is wrong)."""
+    if isinstance(layers, str):
+        try:
+            layers = [int(x) for x in layers.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ValueError(f"layers must be comma-separated layer indices like 2,3,4, got {layers!r}") from None
+    layers = list(layers or [])
+    ints = all(isinstance(i, int) and not isinstance(i, bool) for i in layers)
+    if not layers or not ints or len(set(layers)) < len(layers):
+        raise ValueError(f"layers must be distinct layer indices, got {layers!r}")
+    return layers
+
+
 class StepDriver:
     """Real-size (``DSV4Config.flash()``) or ``mini()`` layers of each kind + head.
 
     ``driver = StepDriver(DSV4Config.flash())`` builds three layers and the head on the
     GPU (~11 GB); ``state = driver.prepare(preset("after", cfg), batch=64, context=512)``;
     ``driver.run(state)`` computes one step; ``driver.profile(state)`` times it.
+    ``StepDriver(checkpoint=DIR, layers=[2, 3, 4])`` measures those layers of a checkpoint
+    in the released layout instead (the module docstring). ``overlap`` (default True: the
+    released structure) gives random layers overlapping ratio-4 compressors.
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
 
     def __init__(self, cfg: DSV4Config | None = None, *, device=None, seed: int = 0,
-                 page_size: int | None = None, with_head: bool = True):
-        self.cfg = cfg or DSV4Config.flash()
+                 page_size: int | None = None, with_head: bool = True, checkpoint=None, layers=None,
+                 overlap: bool = True):
         self.device = torch.device(device) if device is not None else runtime.device()
-        self.page_size = page_size or (64 if self.cfg.hidden_size >= 1024 else 16)
-        self.layer_ids = representative_layers(self.cfg)
+        ckpt = Checkpoint(checkpoint) if checkpoint is not None else None
+        if ckpt is not None:
+            cfg = ckpt.cfg
+        else:
+            cfg = cfg or DSV4Config.flash()
+            if "compress_overlap" not in cfg.extra:
+                cfg = cfg.replace(extra={**cfg.extra, "compress_overlap": bool(overlap)})
+        self.cfg = cfg
+        self.page_size = page_size or (64 if cfg.hidden_size >= 1024 else 16)
+        self.layer_ids = representative_layers(cfg)
+        self.checkpoint = str(ckpt.path) if ckpt is not None else None
+        kinds: "OrderedDict[int, list]" = OrderedDict()
+        if ckpt is not None:
+            for i in (parse_layers(layers) if layers is not None else list(self.layer_ids.values())):
+                if not 0 <= i < cfg.num_layers:
+                    raise ValueError(f"layers: {i} is not a layer of this checkpoint (0..{cfg.num_layers - 1})")
+                kinds.setdefault(cfg.compress_ratios[i], []).append(i)
+        elif layers is not None:
+            raise ValueError("layers= picks a checkpoint's layers: give checkpoint= too")
+        self.measured = OrderedDict((r, kinds.get(r, [lid])) for r, lid in self.layer_ids.items())
+        self.weights = {r: ("checkpoint" if r in kinds else "random") for r in self.layer_ids}
+        self.layer_ids = OrderedDict((r, ids[0]) for r, ids in self.measured.items())
         torch.manual_seed(seed)
-        self.layers: "OrderedDict[int, M.Block]" = OrderedDict(
-            (r, build_layer(self.cfg, lid, device=self.device)) for r, lid in self.layer_ids.items())
+        experts = ckpt.formats["main"].experts if ckpt is not None else "mxfp4"
+        built: "OrderedDict[int, list]" = OrderedDict()
+        for r, ids in self.measured.items():
+            built[r] = [ckpt.block(i, device=self.device) if r in kinds
+                        else build_layer(cfg, i, device=self.device, expert_format=experts) for i in ids]
+        self.base_projections = "bf16"
+        if ckpt is not None and kinds:
+            self.base_projections = "fp8" if ckpt.formats["main"].dense.dtype == "fp8_e4m3" else "bf16"
+            for r in built:              # random kinds in the checkpoint's format
+                if r not in kinds:
+                    built[r] = [M.set_projections_(b, self.base_projections) for b in built[r]]
+        self._variants = {self.base_projections: built}
+        self.layers: "OrderedDict[int, M.Block]" = OrderedDict((r, blks[0]) for r, blks in built.items())
+        self.expert_format = experts
         self.head = None
         if with_head:
-            with torch.device(self.device):
-                self.head = Head(self.cfg)
-            M.to_dtype(self.head, torch.bfloat16)
-            self.head.eval().requires_grad_(False)
+            if ckpt is not None:
+                with torch.device("meta"):
+                    head = Head(cfg)
+                self.head = ckpt.fill(head, embed_slots(cfg) + head_slots(cfg), device=self.device)
+            else:
+                with torch.device(self.device):
+                    self.head = Head(cfg)
+                M.to_dtype(self.head, torch.bfloat16)
+                self.head.eval().requires_grad_(False)
+
+    def blocks(self, projections: str) -> "OrderedDict[int, list]":
+        """Compress ratio -> the measured layers of that kind with ``projections`` ("bf16" or
+        "fp8"): the layers as built, or (made once, every other tensor shared) a copy with
+        their dense projections converted."""
+        if projections not in PROJECTIONS:
+            raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+        if projections not in self._variants:
+            base = self._variants[self.base_projections]
+            self._variants[projections] = OrderedDict(
+                (r, [M.set_projections_(M.shared_clone(b), projections) for b in blks]) for r, blks in base.items())
+        return self._variants[projections]
 
     # ---- the cache ------------------------------------------------------------------
     def prepare(self, step: StepConfig, *, batch: int, context: int, seed: int = 1) -> StepState:
@@ -296,13 +430,14 @@ class StepDriver:
         backends.resolve("sparse_mla_decode", step.attention,
                          fmt="fp8" if step.kv_cache == "fp8" else "dense", device=dev)
         backends.resolve("indexer_topk", step.indexer, device=dev)
-        backends.resolve("fused_moe", step.moe, fmt="mxfp4", device=dev)
+        backends.resolve("fused_moe", step.moe, fmt=self.expert_format, device=dev)
         backends.resolve("mhc", step.mhc, device=dev)
 
         B = batch
         gen = torch.Generator(device=dev)
         positions = torch.full((B, 1), context - 1, dtype=torch.int64, device=dev)
-        reach = max([cfg.window_size] + [r for r in self.layers if r])     # raw tokens read
+        # raw tokens read: the window, a compressor's block (two for an overlapping one)
+        reach = max([cfg.window_size] + [2 * r if M.compress_overlap(cfg, r) else r for r in self.layers if r])
         caches, metas, pages = {}, {}, {}
         for r in self.layers:
             gen.manual_seed(seed * 1000 + r)
@@ -362,12 +497,14 @@ class StepDriver:
         """
         be = state.step.backends()
         out = {}
-        for r, blk in self.layers.items():
-            state.metas[r].memo.clear()            # RoPE tables are part of each step's work
-            taps: dict = {}
-            out[r] = blk.forward_decode(state.x, state.tokens, state.metas[r], state.caches[r], be,
-                                        lambda c, r=r: mark(r, c), taps)
-            out[f"attention {r}"] = taps["attention"]
+        for r, blks in self.blocks(state.step.projections).items():
+            for j, blk in enumerate(blks):         # more layers of a kind share its cache and inputs
+                state.metas[r].memo.clear()        # RoPE tables are part of each step's work
+                taps: dict = {}
+                y = blk.forward_decode(state.x, state.tokens, state.metas[r], state.caches[r], be,
+                                       lambda c, r=r: mark(r, c), taps)
+                if j == 0:
+                    out[r], out[f"attention {r}"] = y, taps["attention"]
         if self.head is not None:
             # a real step embeds its tokens into the first layer and reads the last layer's
             # streams; here every layer reads state.x, so the head reads the last kind's output
@@ -450,20 +587,25 @@ class StepDriver:
             samples.append(marks.segments())
         res = self._summarise(samples, timing, scale_to)
         if scale_to is not None:
-            f = scale_to / res["measured_ms"]
+            f = scale_to / res["run_ms"]
             res["kind_ms"] = {r: {c: v * f for c, v in d.items()} for r, d in res["kind_ms"].items()}
             res["head_ms"] = {c: v * f for c, v in res["head_ms"].items()}
-            res["measured_ms"] = scale_to
+            res["measured_ms"] *= f
+            res["run_ms"] = scale_to
             res["component_scale"] = f
         return res
 
     def _summarise(self, samples, timing, replay_ms):
-        """Medians per (layer, component) over the samples; components sum to the totals."""
+        """Medians per (layer kind, component) over the samples, per layer of the kind (the
+        mean of its measured layers); components sum to ``measured_ms`` (one layer of each
+        kind + head). ``run_ms``: the step as run (every measured layer)."""
         med = segment_medians(samples)
-        kind_ms = {r: {c: med.get((r, c), 0.0) for c in LAYER_COMPONENTS} for r in self.layers}
+        n = {r: len(ids) for r, ids in self.measured.items()}
+        kind_ms = {r: {c: med.get((r, c), 0.0) / n[r] for c in LAYER_COMPONENTS} for r in self.layers}
         head_ms = {c: med.get((HEAD, c), 0.0) for c in HEAD_COMPONENTS}
         measured = sum(sum(d.values()) for d in kind_ms.values()) + sum(head_ms.values())
-        return {"kind_ms": kind_ms, "head_ms": head_ms, "measured_ms": measured, "timing": timing,
+        run = sum(n[r] * sum(d.values()) for r, d in kind_ms.items()) + sum(head_ms.values())
+        return {"kind_ms": kind_ms, "head_ms": head_ms, "measured_ms": measured, "run_ms": run, "timing": timing,
                 "mode": mode_of(timing), "graph_replay_ms": replay_ms, "reps": len(samples)}
 
     # ---- one result row -------------------------------------------------------------
@@ -482,7 +624,10 @@ class StepDriver:
             "concurrency": state.batch, "context": state.context, "max_context": st.max_context,
             "attention": st.attention, "indexer": st.indexer, "indexer_dtype": st.indexer_dtype,
             "kv_cache": st.kv_cache, "moe": st.moe, "mhc": st.mhc, "page_size": state.page_size,
-            "layers_measured": {str(r): lid for r, lid in self.layer_ids.items()},
+            "projections": st.projections, "experts": self.expert_format,
+            "compressor_overlap": M.compress_overlap(cfg, 4),
+            "weights": "checkpoint" if self.checkpoint else "random",
+            "layers_measured": {str(r): (ids[0] if len(ids) == 1 else ids) for r, ids in self.measured.items()},
             "layer_counts": {str(r): n for r, n in counts.items()},
             "model_layers": cfg.num_layers, "mtp": "excluded",
             "step_ms": ex["step_ms"], "ms": ex["step_ms"], "tokens_per_s": ex["tokens_per_s"],
@@ -495,13 +640,17 @@ class StepDriver:
         for c in COMPONENTS:
             row[f"ms_{c}"] = comp.get(c, 0.0)
         row["components_by_kind"] = {str(r): d for r, d in prof["kind_ms"].items()}
+        if self.checkpoint:
+            row["checkpoint"] = self.checkpoint
+            row["random_kinds"] = [r for r, w in self.weights.items() if w == "random"]
         try:
-            an = anatomy.step_totals(anatomy.step_anatomy(
-                cfg, concurrency=state.batch, context=state.context, max_context=st.max_context,
-                weight_format="mxfp4", indexer="fallback" if st.indexer == "torch_fallback" else "triton"))
-            row.update(roofline_device=an["device"], roofline_step_ms=an["step_ms"],
-                       roofline_tokens_per_s=an["tokens_per_s"],
-                       roofline_fraction=an["step_ms"] / ex["step_ms"])
+            by = step_bytes(cfg, projections=st.projections, concurrency=state.batch, context=state.context,
+                            max_context=st.max_context, experts=self.expert_format,
+                            indexer="fallback" if st.indexer == "torch_fallback" else "triton")
+            row.update(bytes_per_step=by["bytes_per_step"], dense_weight_bytes=by["dense_weight_bytes"],
+                       roofline_device=by["device"], roofline_step_ms=by["roofline_step_ms"],
+                       roofline_tokens_per_s=state.batch * 1e3 / by["roofline_step_ms"],
+                       roofline_fraction=by["roofline_step_ms"] / ex["step_ms"])
         except ValueError:
             pass
         for k in ("timing_note", "component_scale"):
@@ -538,7 +687,8 @@ def _find(rows, **kw):
 
 def targets(rows: list[dict], *, concurrency: int = 64, context: int = 512,
             max_context: int = 1048576) -> list[dict]:
-    """The step's targets from graph-replay result rows (the newest row per configuration wins).
+    """The step's targets from graph-replay result rows of random weights (the newest row per
+    configuration wins; a checkpoint's rows are its own measurement, not the targets').
 
     1. the indexer fix alone (preset "indexer_triton" vs "before"), concurrency 64,
        512-token contexts, 1M max context: >= 10x step throughput. ``ceiling`` is what no
@@ -548,7 +698,7 @@ def targets(rows: list[dict], *, concurrency: int = 64, context: int = 512,
        131,072 and 1,048,576.
     Explained in notebooks/06_decode_step_at_scale.ipynb.
     """
-    rows = [r for r in rows if row_mode(r) == "graph"]
+    rows = [r for r in rows if row_mode(r) == "graph" and r.get("weights", "random") == "random"]
     out = []
     base = dict(concurrency=concurrency, context=context)
     b = _find(rows, preset="before", max_context=max_context, **base)

@@ -8,16 +8,20 @@ compressed entries, and the lightning indexer that picks the CSA entries.
   is rotated back by the query position (``inverse`` RoPE), as the reference does.
 - A learned sink per head adds ``exp(sink)`` to the softmax denominator.
 - Grouped output projection: heads split into ``o_groups`` groups, each projected to
-  ``o_lora_rank`` by its own matrix, then concatenated and projected to hidden.
+  ``o_lora_rank`` by its own matrix (``wo_a [G, o_lora, H/G*D]``; FP8: one block-scaled
+  ``[G*o_lora, H/G*D]`` weight, group g its rows g*o_lora.., applied by
+  :func:`dsv4lab.ops.linear` with ``groups=G``), then concatenated and projected to hidden.
 - Keys a query at position p sees: the last ``window_size`` raw tokens, plus, by
   ``compress_ratios[layer]``: 0 nothing; 4 (CSA) the ``index_topk`` compressed entries the
   lightning indexer scores best; any other ratio r (HCA, 128 in V4) every complete
   compressed entry. Entry j covers tokens ``[j*r, (j+1)*r)`` and is visible once its last
   token is (``(j+1)*r <= p+1``).
-- The compressor (kept simple on purpose): entry j = RMSNorm(sum over the r tokens of
+- The compressor: entry j = RMSNorm(sum over the r tokens of
   ``softmax_t(gate_t + ape[t mod r]) * kv_t``), a learned per-channel weighted pooling of
-  the block's projected tokens, then RoPE at the block's first position j*r. The reference
-  code overlaps ratio-4 windows; this one does not.
+  the block's projected tokens, then RoPE at the block's first position j*r. Overlapping
+  (the released ratio-4 compressors, :func:`~dsv4lab.model.cache.compress_overlap`): the
+  projections are twice as wide and the softmax runs over 2r tokens, the block's own
+  (second half of each projection) and the block before it (first half; none for entry 0).
 - Lightning indexer (ratio-4 layers): its own compressor makes ``index_head_dim`` keys;
   queries come from the q latent; ``score_j = sum_h w_h ReLU(q_h . k_j)`` with ``w`` a
   projection of the hidden state. Trained (on detached inputs) to match the main
@@ -37,8 +41,9 @@ import torch.nn as nn
 
 from dsv4lab import ops, quant
 from dsv4lab.config import DSV4Config
-from dsv4lab.model.cache import DecodeMeta, LayerCache, flat
-from dsv4lab.model.layers import RMSNorm, apply_linear, make_linear, rms_norm, rope_tail
+from dsv4lab.model.cache import DecodeMeta, LayerCache, compress_overlap, flat
+from dsv4lab.model.layers import (BlockScaledFP8Linear, RMSNorm, apply_linear, make_linear, rms_norm,
+                                  rope_tail)
 
 FP8_MAX = 448.0          # the largest e4m3 value: an FP8 indexer key's scale is amax / FP8_MAX
 
@@ -48,24 +53,39 @@ def _no_mark(component: str) -> None:
 
 
 class Compressor(nn.Module):
-    """Learned weighted pooling of each block of ``ratio`` tokens into one entry."""
+    """Learned weighted pooling of each block of ``ratio`` tokens into one entry (``overlap``:
+    of the block and the one before it)."""
 
-    def __init__(self, dim: int, out_dim: int, ratio: int, rope_dim: int, theta: float, eps: float):
+    def __init__(self, dim: int, out_dim: int, ratio: int, rope_dim: int, theta: float, eps: float,
+                 overlap: bool = False):
         super().__init__()
         self.ratio, self.rope_dim, self.theta = ratio, rope_dim, theta
-        self.wkv = make_linear(dim, out_dim)
-        self.wgate = make_linear(dim, out_dim)
-        self.ape = nn.Parameter(torch.zeros(ratio, out_dim))
+        self.out_dim, self.overlap = out_dim, overlap
+        wide = 2 * out_dim if overlap else out_dim
+        self.wkv = make_linear(dim, wide)
+        self.wgate = make_linear(dim, wide)
+        self.ape = nn.Parameter(torch.zeros(ratio, wide))
         self.norm = RMSNorm(out_dim, eps)
 
     def project(self, x, backends: dict | None = None):
-        """Per-token state: (kv, gate), each [.., out_dim]."""
+        """Per-token state: (kv, gate), each [.., out_dim] (twice that when overlapping)."""
         return apply_linear(self.wkv, x, backends), apply_linear(self.wgate, x, backends)
 
-    def pool(self, kv, gate, first_pos, memo=None):
-        """kv, gate [.., r, out] (the block's tokens in order) -> entry [.., out], RoPE'd at
-        ``first_pos`` (the block's first position)."""
-        w = (gate.float() + self.ape.float()).softmax(dim=-2)
+    def pool(self, kv, gate, first_pos, memo=None, prev=None):
+        """kv, gate [.., r, out] (the block's tokens in order; 2 * out wide when overlapping)
+        -> entry [.., out], RoPE'd at ``first_pos`` (the block's first position). Overlapping:
+        ``prev`` = (kv, gate, valid)
+        of the block before (``valid [..]`` False for the first entry, whose softmax then
+        covers its own tokens only)."""
+        g = gate.float() + self.ape.float()
+        if self.overlap:
+            d = self.out_dim
+            pkv, pgate, valid = prev
+            pg = (pgate.float() + self.ape.float())[..., :d]
+            pg = pg.masked_fill(~valid[..., None, None], float("-inf"))
+            kv = torch.cat([pkv[..., :d], kv[..., d:]], dim=-2)
+            g = torch.cat([pg, g[..., d:]], dim=-2)
+        w = g.softmax(dim=-2)
         e = self.norm((w * kv.float()).sum(-2).to(kv.dtype))
         return rope_tail(e, first_pos, self.rope_dim, self.theta, memo=memo)
 
@@ -78,7 +98,21 @@ class Compressor(nn.Module):
         kv = kv.view(B, n, r, kv.shape[-1])
         gate = gate.view(B, n, r, gate.shape[-1])
         first = torch.arange(n, device=x.device) * r
-        return self.pool(kv, gate, first)
+        prev = None
+        if self.overlap:
+            shift = lambda t: torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)  # noqa: E731
+            prev = (shift(kv), shift(gate), (torch.arange(n, device=x.device) >= 1).expand(B, n))
+        return self.pool(kv, gate, first, prev=prev)
+
+    def pool_cached(self, kv_pool, gate_pool, meta: DecodeMeta, memo=None):
+        """The entry each new token's block pools, from a layer cache's projected inputs."""
+        r = self.ratio
+        bs = meta.block_slots[r]
+        prev = None
+        if self.overlap:
+            ps = meta.prev_block_slots[r]
+            prev = (flat(kv_pool)[ps], flat(gate_pool)[ps], meta.prev_valid[r])
+        return self.pool(flat(kv_pool)[bs], flat(gate_pool)[bs], meta.entry_pos[r], memo, prev)
 
 
 class Indexer(nn.Module):
@@ -93,7 +127,7 @@ class Indexer(nn.Module):
         self.wq = make_linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wweights = make_linear(cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, 4, self.rope_dim,
-                                     cfg.rope_theta, cfg.rms_norm_eps)
+                                     cfg.rope_theta, cfg.rms_norm_eps, compress_overlap(cfg, 4))
 
     def queries(self, x, qr, pos, memo=None, backends: dict | None = None):
         """-> q [.., Hi, Di], weights [.., Hi] fp32 (with both softmax scales folded in)."""
@@ -130,8 +164,8 @@ class Attention(nn.Module):
         self.wo_a = nn.Parameter(torch.empty(G, cfg.o_lora_rank, H // G * D))
         self.wo_b = make_linear(G * cfg.o_lora_rank, d)
         nn.init.normal_(self.wo_a, std=0.02)
-        self.compressor = Compressor(d, D, self.ratio, cfg.rope_dim, cfg.rope_theta,
-                                     cfg.rms_norm_eps) if self.ratio else None
+        self.compressor = Compressor(d, D, self.ratio, cfg.rope_dim, cfg.rope_theta, cfg.rms_norm_eps,
+                                     compress_overlap(cfg, self.ratio)) if self.ratio else None
         self.indexer = Indexer(cfg) if self.ratio == 4 else None
 
     # ---- pieces shared by both forwards ------------------------------------------------
@@ -150,8 +184,11 @@ class Attention(nn.Module):
         """o [.., H, D] -> undo RoPE on the tail, grouped output projection -> [.., d]."""
         o = rope_tail(o, pos, self.rope_dim, self.cfg.rope_theta, inverse=True, heads=True, memo=memo)
         o = o.flatten(-2).unflatten(-1, (self.o_groups, -1))                 # [.., G, H/G*D]
-        o = torch.einsum("...gk,gok->...go", o, self.wo_a.to(o.dtype))
-        return apply_linear(self.wo_b, o.flatten(-2), backends)
+        if isinstance(self.wo_a, BlockScaledFP8Linear):      # one weight, G row groups: one launch
+            o = apply_linear(self.wo_a, o.flatten(-2), backends, groups=self.o_groups)
+        else:
+            o = torch.einsum("...gk,gok->...go", o, self.wo_a.to(o.dtype)).flatten(-2)
+        return apply_linear(self.wo_b, o, backends)
 
     # ---- training: full sequences ----------------------------------------------------
     def forward_train(self, x: torch.Tensor):
@@ -233,9 +270,7 @@ class Attention(nn.Module):
             ckv, cgate = self.compressor.project(x, backends)
             flat(cache.comp_kv)[meta.slots] = ckv.to(cache.comp_kv.dtype)
             flat(cache.comp_gate)[meta.slots] = cgate.to(cache.comp_gate.dtype)
-            bs = meta.block_slots[r]
-            ent = self.compressor.pool(flat(cache.comp_kv)[bs], flat(cache.comp_gate)[bs],
-                                       meta.entry_pos[r], memo)
+            ent = self.compressor.pool_cached(cache.comp_kv, cache.comp_gate, meta, memo)
             self.write_kv(kv_flat, meta.entry_slot[r], ent, cache.fp8)
             mark("compressor")
             if self.indexer is not None:
@@ -269,9 +304,7 @@ class Attention(nn.Module):
         ikv, igate = ix.compressor.project(x, backends)
         flat(cache.idx_kv)[meta.slots] = ikv.to(cache.idx_kv.dtype)
         flat(cache.idx_gate)[meta.slots] = igate.to(cache.idx_gate.dtype)
-        bs = meta.block_slots[4]
-        key = ix.compressor.pool(flat(cache.idx_kv)[bs], flat(cache.idx_gate)[bs], meta.entry_pos[4],
-                                 meta.memo)
+        key = ix.compressor.pool_cached(cache.idx_kv, cache.idx_gate, meta, meta.memo)
         es = meta.entry_slot[4]
         if cache.idx_keys.dtype == torch.float8_e4m3fn:
             sc = key.float().abs().amax(-1).clamp_min(1e-12) / FP8_MAX

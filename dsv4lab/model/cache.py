@@ -4,8 +4,8 @@ One pool per layer holds raw tokens and compressed entries in different pages of
 page space, addressed through a request's raw and compressed block tables, so one index
 list addresses both. :func:`make_meta` computes, on the device and without a host
 synchronisation, every slot a step writes and every entry a query may see: the sliding
-window, the block of raw tokens a compressor pools, the entry a token completes, and (for
-HCA layers) every compressed entry.
+window, the block of raw tokens a compressor pools (and, for an overlapping compressor, the
+block before it), the entry a token completes, and (for HCA layers) every compressed entry.
 """
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4lab.config import DSV4Config
+
+OVERLAP_RATIO = 4        # the compress ratio whose compressor pools overlapping windows
+
+
+def compress_overlap(cfg: DSV4Config, ratio: int) -> bool:
+    """Whether a compressor of ``ratio`` pools overlapping windows, as DeepSeek-V4's released
+    ratio-4 compressors (main and indexer) do: each entry pools its own ``ratio`` tokens and
+    the ``ratio`` before them, from a projection twice as wide. Asked for by
+    ``cfg.extra["compress_overlap"]`` (set by :mod:`dsv4lab.checkpoint` for a released
+    checkpoint); off by default (the mini model trains without it)."""
+    return ratio == OVERLAP_RATIO and bool(cfg.extra.get("compress_overlap", False))
 
 
 @dataclass
@@ -25,7 +36,8 @@ class LayerCache:
     ``kv`` is ``[P, page, D]`` in the model dtype or the FP8 cache ``uint8 [P*page, 584]``.
     ``comp_kv``/``comp_gate`` hold each raw token's projected compressor inputs;
     ``idx_kv``/``idx_gate`` the indexer compressor's; ``idx_keys [P, page, Di]`` and
-    ``idx_scale [P, page]`` the compressed indexer keys (bf16 with scale 1, or e4m3).
+    ``idx_scale [P, page]`` the compressed indexer keys (bf16 with scale 1, or e4m3). An
+    overlapping compressor (:func:`compress_overlap`) keeps twice as wide projected inputs.
     Page 0 is scratch: masked-out writes land there.
     """
     kv: torch.Tensor
@@ -57,10 +69,11 @@ class LayerCache:
         else:
             raise ValueError(f"kv_format must be 'bf16' or 'fp8', got {kv_format!r}")
         c = cls(kv=kv)
+        wide = 2 if compress_overlap(cfg, ratio) else 1
         if ratio:
-            c.comp_kv, c.comp_gate = z(*shape, D), z(*shape, D)
+            c.comp_kv, c.comp_gate = z(*shape, wide * D), z(*shape, wide * D)
         if ratio == 4:
-            c.idx_kv, c.idx_gate = z(*shape, Di), z(*shape, Di)
+            c.idx_kv, c.idx_gate = z(*shape, wide * Di), z(*shape, wide * Di)
             kdt = torch.float8_e4m3fn if kv_format == "fp8" else dtype
             c.idx_keys = z(*shape, Di, dt=kdt)
             c.idx_scale = torch.ones(*shape, dtype=torch.float32, device=device)
@@ -78,7 +91,10 @@ class DecodeMeta:
     slots of positions p-r+1..p, ``entry_pos[r] [B, S]`` the first position of the entry
     the token completes, ``entry_slot[r] [B, S]`` its slot (0 = scratch when the token
     completes none), ``n_entries[r] [B, S]`` entries visible, and for HCA ratios
-    ``all_entries[r] [B, S, E_r]`` their slots (-1 when not visible).
+    ``all_entries[r] [B, S, E_r]`` their slots (-1 when not visible). For an overlapping
+    compressor's ratio (:func:`compress_overlap`) also ``prev_block_slots[r] [B, S, r]``, the
+    raw slots of positions p-2r+1..p-r, and ``prev_valid[r] [B, S]``, whether that block
+    exists (the entry is not the first).
     """
     positions: torch.Tensor
     slots: torch.Tensor
@@ -92,6 +108,8 @@ class DecodeMeta:
     n_entries: dict
     all_entries: dict
     memo: dict = field(default_factory=dict)     # per-forward cache (RoPE cos/sin)
+    prev_block_slots: dict = field(default_factory=dict)
+    prev_valid: dict = field(default_factory=dict)
 
     def column(self, j: int) -> "DecodeMeta":
         """Column ``j`` of a [B, S] meta as a [B, 1] meta (views; a fresh RoPE memo)."""
@@ -99,7 +117,8 @@ class DecodeMeta:
         per = lambda d: {r: col(t) for r, t in d.items()}  # noqa: E731
         return DecodeMeta(col(self.positions), col(self.slots), col(self.window), self.block_table,
                           self.cblock_table, self.page_size, per(self.block_slots), per(self.entry_pos),
-                          per(self.entry_slot), per(self.n_entries), per(self.all_entries))
+                          per(self.entry_slot), per(self.n_entries), per(self.all_entries),
+                          prev_block_slots=per(self.prev_block_slots), prev_valid=per(self.prev_valid))
 
 
 def _pos_to_slot(pos: torch.Tensor, table: torch.Tensor, page: int) -> torch.Tensor:
@@ -126,6 +145,9 @@ def make_meta(cfg: DSV4Config, positions: torch.Tensor, block_table: torch.Tenso
     for r in sorted(set(int(x) for x in ratios if x)):
         bpos = positions.unsqueeze(-1) - torch.arange(r - 1, -1, -1, device=positions.device)
         meta.block_slots[r] = _pos_to_slot(bpos, block_table, page_size)
+        if compress_overlap(cfg, r):
+            meta.prev_block_slots[r] = _pos_to_slot(bpos - r, block_table, page_size)
+            meta.prev_valid[r] = positions + 1 >= 2 * r
         done = (positions + 1) % r == 0
         j = (positions + 1) // r - 1
         meta.entry_pos[r] = (positions + 1 - r).clamp_min(0)

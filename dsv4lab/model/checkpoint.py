@@ -1,5 +1,6 @@
-"""Checkpoints: one safetensors file, the state dict (packed experts as uint8) and the config
-in its metadata.
+"""Checkpoints in the workbook's own format: one safetensors file, the state dict (packed
+experts as uint8, FP8 projections as e4m3 with fp32 scales) and the config in its metadata.
+The released checkpoint's sharded layout is :mod:`dsv4lab.checkpoint`.
 
 :func:`save_checkpoint` writes a temporary file beside the target and renames it only once
 it is complete, so an interrupted save never leaves a torn checkpoint in place of a good one.
@@ -35,7 +36,8 @@ def save_checkpoint(model: DSV4, path, metadata: dict | None = None) -> None:
     same directory, renamed over ``path`` when complete."""
     from safetensors.torch import save_file
 
-    meta = {"config": config_to_json(model.cfg), "expert_format": model.expert_format}
+    meta = {"config": config_to_json(model.cfg), "expert_format": model.expert_format,
+            "projections": model.projections}
     meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()})
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     path = Path(path)
@@ -60,6 +62,8 @@ def load_checkpoint(path, *, device=None, dtype: torch.dtype | None = None) -> D
     model = DSV4(cfg)
     if fmt != "bf16":
         model.quantize_experts(fmt)
+    if meta.get("projections", "bf16") != "bf16":
+        model.quantize_projections(meta["projections"])
     sd = load_file(str(path))
     model.load_state_dict(sd)
     model.checkpoint_metadata = meta

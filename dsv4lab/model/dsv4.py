@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -21,12 +22,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dsv4lab.config import DSV4Config
-from dsv4lab.model.attention import Attention
+from dsv4lab.model.attention import Attention, Indexer
 from dsv4lab.model.cache import DecodeMeta, LayerCache
-from dsv4lab.model.layers import HCHead, HyperConnection, RMSNorm, apply_linear, make_linear
-from dsv4lab.model.moe import MoE
+from dsv4lab.model.layers import (BlockScaledFP8Linear, HCHead, HyperConnection, RMSNorm, apply_linear,
+                                  linear_as, make_linear)
+from dsv4lab.model.moe import MLP, MoE
 
 OPS = ("sparse_mla_decode", "indexer_topk", "fused_moe", "mhc", "linear")
+PROJECTIONS = ("bf16", "fp8")      # how the dense projections are stored
+# the projections the released checkpoint stores in FP8 (module class -> attributes); the
+# compressors, the indexer's weights projection, the router, embedding and head stay bf16
+FP8_PROJECTIONS = {"Attention": ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"), "Indexer": ("wq",),
+                   "MLP": ("w1", "w3", "w2"), "MTP": ("e_proj", "h_proj")}
 COMPONENTS = ("mhc", "qkv", "compressor", "indexer", "attention", "out_proj", "moe")
 
 
@@ -151,11 +158,23 @@ class DSV4(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
+    @property
+    def projections(self) -> str:
+        """How the dense projections are stored: "bf16" or "fp8" (:data:`FP8_PROJECTIONS`)."""
+        return projections_of(self)
+
     def quantize_experts(self, fmt: str = "mxfp4") -> "DSV4":
         """Quantise every routed expert (main layers and the MTP layer) in place."""
         for m in self.modules():
             if isinstance(m, MoE) and m.fmt == "bf16":
                 m.quantize_(fmt)
+        return self
+
+    def quantize_projections(self, projections: str = "fp8") -> "DSV4":
+        """Store the dense projections as the released checkpoint does (FP8 e4m3, one
+        power-of-two scale per 128 x 128 block; :data:`FP8_PROJECTIONS`), in place; "bf16"
+        dequantises them back."""
+        set_projections_(self, projections)
         return self
 
     def logits(self, x, backends: dict | None = None):
@@ -231,6 +250,61 @@ class DSV4(nn.Module):
         """Compress ratio of each main layer, then the MTP layer's."""
         return [b.ratio for b in self.layers] + [m.block.ratio for m in self.mtp]
 
+
+
+# ---- the dense projections' format ------------------------------------------------------------
+
+def _float_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.bfloat16
+
+
+def set_projections_(module: nn.Module, projections: str) -> nn.Module:
+    """Convert, in place, every projection of :data:`FP8_PROJECTIONS` under ``module`` to
+    ``projections``: "fp8" (block-scaled e4m3, :func:`~dsv4lab.model.layers.fp8_block_quantize`)
+    or "bf16" (dequantised, in the module's float dtype). Returns ``module``."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections must be one of {PROJECTIONS}, got {projections!r}")
+    dtype = _float_dtype(module)
+    for m in list(module.modules()):
+        if isinstance(m, Attention):
+            for name in ("wq_a", "wq_b", "wkv", "wo_b"):
+                setattr(m, name, linear_as(getattr(m, name), projections, dtype))
+            G = m.o_groups
+            if projections == "fp8" and not isinstance(m.wo_a, BlockScaledFP8Linear):
+                w = m.wo_a.detach()
+                del m.wo_a
+                m.wo_a = BlockScaledFP8Linear.quantize(w.reshape(G * w.shape[1], w.shape[2]))
+            elif projections == "bf16" and isinstance(m.wo_a, BlockScaledFP8Linear):
+                w = m.wo_a.dequantize(dtype)
+                del m.wo_a
+                m.wo_a = nn.Parameter(w.view(G, -1, w.shape[1]), requires_grad=False)
+        elif isinstance(m, Indexer):
+            m.wq = linear_as(m.wq, projections, dtype)
+        elif isinstance(m, MLP):
+            m.as_projections_(projections, dtype)
+        elif isinstance(m, MTP):
+            m.e_proj = linear_as(m.e_proj, projections, dtype)
+            m.h_proj = linear_as(m.h_proj, projections, dtype)
+    return module
+
+
+def projections_of(module: nn.Module) -> str:
+    """"fp8" when ``module``'s dense projections are block-scaled FP8, else "bf16"."""
+    return "fp8" if any(isinstance(m, BlockScaledFP8Linear) for m in module.modules()) else "bf16"
+
+
+def shared_clone(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s tree of modules holding the very same tensors: converting the
+    copy's projections (:func:`set_projections_`) leaves ``module`` as it is, and nothing else
+    is duplicated."""
+    new = copy.copy(module)
+    new._parameters = dict(module._parameters)
+    new._buffers = dict(module._buffers)
+    new._modules = {k: (shared_clone(v) if v is not None else None) for k, v in module._modules.items()}
+    return new
 
 
 def to_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -20,14 +20,16 @@ import torch.nn.functional as F
 
 from dsv4lab import ops, quant
 from dsv4lab.config import DSV4Config
-from dsv4lab.model.layers import apply_linear, make_linear
+from dsv4lab.model.layers import BlockScaledFP8Linear, apply_linear, linear_as, make_linear
 from dsv4lab.ops.moe import swiglu   # the clamped SwiGLU of the MoE op (limit None or > 0)
 
 EXPERT_FORMATS = ("bf16", "mxfp4", "nvfp4")
 
 
 class MLP(nn.Module):
-    """A (shared) SwiGLU expert in float weights."""
+    """A (shared) SwiGLU expert: ``w13`` (gate rows, then up rows) and ``w2`` in float
+    weights, or, block-scaled FP8 as the released checkpoint stores it, ``w1`` (gate), ``w3``
+    (up) and ``w2``, each with its own 128 x 128 scale grid (:meth:`set_projections`)."""
 
     def __init__(self, dim: int, inter: int, limit: float | None):
         super().__init__()
@@ -35,15 +37,58 @@ class MLP(nn.Module):
         self.w13 = make_linear(dim, 2 * inter)
         self.w2 = make_linear(inter, dim)
 
+    @property
+    def fused(self) -> bool:
+        return "w13" in self._modules
+
+    def projections(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        """(gate, up, down) as modules (float halves of ``w13`` as new ``nn.Linear`` views)."""
+        if not self.fused:
+            return self.w1, self.w3, self.w2
+        half = self.w13.weight.shape[0] // 2
+        parts = []
+        for w in (self.w13.weight[:half], self.w13.weight[half:]):
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+            lin.weight = nn.Parameter(w.detach(), requires_grad=self.w13.weight.requires_grad)
+            parts.append(lin)
+        return parts[0], parts[1], self.w2
+
+    def set_projections(self, gate: nn.Module, up: nn.Module, down: nn.Module) -> None:
+        """Install (gate, up, down): two float ``nn.Linear`` fuse into ``w13``; FP8 ones stay
+        apart as ``w1`` and ``w3`` (their scale grids need not line up in one weight)."""
+        for name in ("w13", "w1", "w3"):
+            self._modules.pop(name, None)
+        if not isinstance(gate, BlockScaledFP8Linear) and not isinstance(up, BlockScaledFP8Linear):
+            w13 = make_linear(gate.in_features, gate.out_features + up.out_features).to(
+                device=gate.weight.device, dtype=gate.weight.dtype)
+            w13.weight = nn.Parameter(torch.cat([gate.weight.detach(), up.weight.detach()]),
+                                      requires_grad=gate.weight.requires_grad)
+            self.w13 = w13
+        else:
+            self.w1, self.w3 = gate, up
+        self.w2 = down
+
+    def as_projections_(self, projections: str, dtype=torch.bfloat16) -> "MLP":
+        """Convert in place to ``projections`` ("fp8" or "bf16", :func:`linear_as`)."""
+        self.set_projections(*(linear_as(m, projections, dtype) for m in self.projections()))
+        return self
+
+    def gate_up(self, x, backends: dict | None = None):
+        if self.fused:
+            return apply_linear(self.w13, x, backends)
+        return torch.cat([apply_linear(self.w1, x, backends), apply_linear(self.w3, x, backends)], dim=-1)
+
     def forward(self, x, backends: dict | None = None):
-        return apply_linear(self.w2, swiglu(apply_linear(self.w13, x, backends), self.limit), backends)
+        return apply_linear(self.w2, swiglu(self.gate_up(x, backends), self.limit), backends)
 
 
 class MoE(nn.Module):
     """Routed experts (float, MXFP4 or NVFP4) + shared expert(s).
 
     Routed weights, ``fused_moe``'s layout: ``w13 [E, 2I, d]`` (gate rows, then up rows)
-    and ``w2 [E, d, I]``; quantised along the last (reduction) dimension.
+    and ``w2 [E, d, I]``; quantised along the last (reduction) dimension. NVFP4's global
+    scales ``w13_global`` / ``w2_global`` are 0-d (one for all experts) or ``[E]`` (one per
+    expert, as ModelOpt checkpoints store them).
     """
 
     def __init__(self, cfg: DSV4Config, layer_id: int, expert_format: str = "bf16"):
@@ -58,9 +103,13 @@ class MoE(nn.Module):
         self.gate = make_linear(d, E)
         self.register_buffer("bias", torch.zeros(E))
         if self.hashed:
-            g = torch.Generator().manual_seed(1234 + layer_id)
-            table = torch.rand(cfg.vocab_size, E, generator=g).argsort(-1)[:, :self.topk]
-            self.register_buffer("tid2eid", table.to(torch.int32))
+            dev = self.gate.weight.device
+            if dev.type == "meta":            # a skeleton to load into: no table to draw
+                table = torch.empty(cfg.vocab_size, self.topk, dtype=torch.int32, device=dev)
+            else:                             # drawn on the CPU (the generator's device), then moved
+                g = torch.Generator().manual_seed(1234 + layer_id)
+                table = torch.rand(cfg.vocab_size, E, generator=g, device="cpu").argsort(-1)[:, :self.topk]
+            self.register_buffer("tid2eid", table.to(torch.int32).to(dev))
         self.shared = MLP(d, I * cfg.n_shared_experts, self.limit) if cfg.n_shared_experts else None
         self.fmt = "bf16"
         self.w13 = nn.Parameter(torch.empty(0))
@@ -126,8 +175,11 @@ class MoE(nn.Module):
         if self.fmt == "mxfp4":
             return (quant.mxfp4_dequantize(self.w13, self.w13_scale, dtype=dtype),
                     quant.mxfp4_dequantize(self.w2, self.w2_scale, dtype=dtype))
-        return (quant.nvfp4_dequantize(self.w13, self.w13_scale, self.w13_global, dtype=dtype),
-                quant.nvfp4_dequantize(self.w2, self.w2_scale, self.w2_global, dtype=dtype))
+        def nv(w, s, g):            # a global scale for all experts (0-d) or one each ([E])
+            if g.dim() == 0:
+                return quant.nvfp4_dequantize(w, s, g, dtype=dtype)
+            return (quant.nvfp4_dequantize(w, s, 1.0) * g.float().view(-1, 1, 1)).to(dtype)
+        return nv(self.w13, self.w13_scale, self.w13_global), nv(self.w2, self.w2_scale, self.w2_global)
 
     # ---- routing ----------------------------------------------------------------------
     def _route_train(self, logits, tokens):

@@ -4,6 +4,8 @@
   "before", each single change and "after", as stacked bars;
 - :func:`plot_throughput`: tokens/s against concurrency, before and after, both contexts;
 - :func:`plot_max_context`: "after" at 512-token contexts as the max context grows;
+- :func:`projection_table` / :func:`plot_projections`: bytes and time per step with bf16
+  against FP8 projections (recorded rows, and the analytic bytes model beside them);
 - :func:`claims` / :func:`claims_html`: the campaign's claims beside the measured rows.
 
 Every function takes result rows of ``dsv4lab bench step`` (``results.load("step")``)
@@ -21,16 +23,21 @@ from dsv4lab.drivers import step as S
 
 KEYS = ("preset", "concurrency", "context", "max_context", "model", "mode")
 PROFILE_PRESETS = ("before", "cap_8k", "indexer_triton", "indexer_fp8", "mma", "after_simt",
-                   "after_kv_bf16", "after")
+                   "after_kv_bf16", "after_bf16_proj", "after")
 COLORS = {"attention": "#4C72B0", "indexer": "#DD8452", "MoE": "#55A868", "projections": "#8172B3",
           "mHC": "#937860", "embedding + head": "#999999"}
 FLASH_MAX = 1048576
 
 
-def usable(rows, *, smoke: bool | None = False, mode: str | None = "graph") -> list[dict]:
+def usable(rows, *, smoke: bool | None = False, mode: str | None = "graph",
+           weights: str | None = "random") -> list[dict]:
     """Rows without errors, newest per configuration; ``smoke`` False drops smoke rows (None
-    keeps both); ``mode`` keeps the graph replays (the default) or the eager steps (None: both)."""
+    keeps both); ``mode`` keeps the graph replays (the default) or the eager steps (None: both);
+    ``weights`` "random" (the default) the random-weight layers', "checkpoint" a checkpoint's
+    real layers' (None: both)."""
     rows = [r for r in rows if "error" not in r and r.get("step_ms")]
+    if weights is not None:
+        rows = [r for r in rows if r.get("weights", "random") == weights]
     if smoke is not None:
         rows = [r for r in rows if bool(r.get("smoke", False)) == smoke]
     if mode is not None:
@@ -162,6 +169,78 @@ def plot_max_context(rows, *, concurrency: int = 64, context: int = 512, ax=None
     ax.set_ylim(0, 1.25)
     ax.set_title(f'"after", concurrency {concurrency}, {context}-token contexts\n{results.label(sel)}', fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------- projections -----
+PROJECTION_CONCURRENCIES = (1, 64)
+
+
+def projections_of(row) -> str:
+    """A row's dense-projection format (rows recorded before FP8 projections existed: bf16)."""
+    return row.get("projections", "bf16")
+
+
+def projection_table(rows, *, cfg=None, concurrencies=PROJECTION_CONCURRENCIES, context: int = 512,
+                     eager_rows=()) -> list[dict]:
+    """"after" with FP8 projections beside bf16 ones ("after_bf16_proj", or an "after" row
+    recorded before FP8 projections), per concurrency: the analytic bytes per step
+    (:func:`dsv4lab.drivers.step.step_bytes`, for ``cfg``, default Flash) and roofline, and the
+    newest graph (and eager) row's step time and tokens/s where recorded (None otherwise)."""
+    from dsv4lab.config import DSV4Config
+    cfg = cfg or DSV4Config.flash().replace(extra={"compress_overlap": True})
+    rows, eager_rows = list(rows), list(eager_rows)
+
+    def newest(rs, conc, proj):
+        sel = [r for r in rs if r.get("preset") in ("after", "after_bf16_proj") and r.get("concurrency") == conc
+               and r.get("context") == context and r.get("max_context") == FLASH_MAX and projections_of(r) == proj]
+        return sel[-1] if sel else None
+
+    out = []
+    for conc in concurrencies:
+        for proj in ("bf16", "fp8"):
+            b = S.step_bytes(cfg, projections=proj, concurrency=conc, context=context, max_context=FLASH_MAX)
+            g, e = newest(rows, conc, proj), newest(eager_rows, conc, proj)
+            out.append({"concurrency": conc, "projections": proj, "dense_gb": b["dense_weight_bytes"] / 1e9,
+                        "step_gb": b["bytes_per_step"] / 1e9, "roofline_ms": b["roofline_step_ms"],
+                        "step_ms": g["step_ms"] if g else None, "tokens_per_s": g["tokens_per_s"] if g else None,
+                        "eager_tokens_per_s": e["tokens_per_s"] if e else None})
+    return out
+
+
+def plot_projections(rows, *, cfg=None, concurrencies=PROJECTION_CONCURRENCIES, context: int = 512, ax=None):
+    """Per concurrency, bf16 against FP8 projections: the measured step (bars, where recorded)
+    and the analytic roofline of its bytes (hatched bars), with the bytes per step on top."""
+    table = projection_table(rows, cfg=cfg, concurrencies=concurrencies, context=context)
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    else:
+        fig = ax.figure
+    colors = {"bf16": "#8172B3", "fp8": "#55A868"}
+    measured = [t for t in table if t["step_ms"] is not None]
+    labelled = set()
+
+    def label(text):
+        if text in labelled:
+            return None
+        labelled.add(text)
+        return text
+
+    for i, t in enumerate(table):
+        x = i // 2 * 2.5 + (i % 2)
+        ax.bar(x - 0.2, t["roofline_ms"], width=0.4, color=colors[t["projections"]], alpha=0.35, hatch="//",
+               label=label(f"{t['projections']}: roofline of its bytes"))
+        if t["step_ms"] is not None:
+            ax.bar(x + 0.2, t["step_ms"], width=0.4, color=colors[t["projections"]],
+                   label=label(f"{t['projections']}: measured"))
+        top = max(t["roofline_ms"], t["step_ms"] or 0)
+        ax.text(x, top, f"{t['step_gb']:.1f} GB", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i * 2.5 + 0.5 for i in range(len(concurrencies))], [f"concurrency {c}" for c in concurrencies])
+    ax.set_ylabel("ms per decode step (43 layers)")
+    src = results.label(rows) if measured else "no recorded rows: the analytic model only"
+    ax.set_title(f"bf16 against FP8 projections, {context}-token contexts\n{src}", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
