@@ -1,52 +1,63 @@
-"""A small paged decode engine: prefill, batched greedy decode, MTP speculative decoding.
+"""Greedy generation with a paged cache: prefill, plain decoding and MTP speculative decoding,
+every stage a fixed-shape function of static device buffers, captured once in a CUDA graph.
 
-- **Paged cache** (:class:`PagedKVCache`): per layer one pool of ``[pages, page_size]``
-  rows (bf16 latents, or the 584-byte FP8 layout of :func:`dsv4lab.quant.pack_kv_fp8`),
-  raw tokens and compressed entries in different pages of the same pool; a request owns a
-  raw block table and a compressed one. Page 0 is scratch (masked-out writes land there).
-- **Prefill** runs the prompt (padded to the longest in the batch) through the same
-  decode forward (S = prompt length); then **decode** feeds one token per request per
-  step. Every step is a fixed-shape function of static device buffers (tokens, positions,
-  block tables, counters), so on a GPU it is captured once in a CUDA graph and replayed:
-  a tiny model is launch-bound, and graphs are what make it fast.
-- **Speculative decoding** (``num_draft`` k = 1..3): the MTP layer drafts k tokens; the
-  main model verifies the pending token and the k drafts in one forward (S_q = k + 1);
-  the longest prefix of drafts equal to the main model's greedy choices is kept, plus the
-  main model's next token (so a step yields 1..k+1 tokens). Rolling the cache back is
-  free: every write is addressed by position and every read is masked by position, so
-  rejected tokens' rows are simply overwritten by the next step. The MTP layer is then
-  run over the k+1 verified positions with the main model's hidden states ("extend"),
-  and recursively k-1 more times to draft the next k tokens. Acceptance, per-request
-  positions and outputs all stay on the device: one graph replay per step, a host sync
-  only every ``sync_every`` steps to test for completion.
-- Greedy output is token-for-token the plain decoding's (up to floating-point
-  near-ties: see notebooks/05_mtp_speculative.ipynb).
+One :class:`DecodeLoop` per (batch, drafts k) holds the buffers and the graphs:
+
+- **prefill** (one graph per prompt-length bucket, a power of two): the prompts, padded,
+  through the main model; the first token; with drafts, the MTP layer over the prompt and
+  the first k drafts. It also fills the loop's position table, :func:`make_meta` of every
+  position the requests' pages can hold, so that a step's :class:`DecodeMeta` is one gather a
+  field instead of the arithmetic again.
+- **step** (k = 0): the pending token through the main model, its argmax appended.
+- **verify** (k >= 1): the pending token and the k drafts through the main model in one
+  forward (S = k + 1 rows); greedy acceptance keeps the longest prefix of drafts equal to the
+  main model's argmaxes, plus the main model's next token: 1 to k + 1 tokens a step.
+- **rollback** (inside verify, nothing to undo): every cache write is addressed by position
+  and every read is masked by position, so the rows written for rejected positions are
+  invisible until the step that reaches those positions overwrites them.
+- **draft** (k >= 1): the MTP layer over the k + 1 verified positions with the main model's
+  streams (its cache for them, and draft 1 read at the accepted position), then k - 1 passes
+  on its own streams for drafts 2..k.
+
+Acceptance, positions, outputs and the end of each request (``max_new_tokens`` or its EOS
+token) stay on the device: a step is one graph replay (plain) or two (verify, draft), and the
+host synchronises only every ``sync_every`` steps, to read how many tokens each request still
+needs. The output is the plain greedy output token for token.
 
 Explained in notebooks/05_mtp_speculative.ipynb.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+import torch.nn as nn
 
 from dsv4lab import backends as B
 from dsv4lab import runtime
-from dsv4lab.model import DSV4, OPS, LayerCache, make_meta, to_dtype
+from dsv4lab.model import DSV4, MTP, OPS, DecodeMeta, LayerCache, make_meta, to_dtype
+
+PER_REQUEST_FIELDS = ("block_table", "cblock_table")   # DecodeMeta tensors not indexed by position
+MIN_BUCKET = 16                                          # the shortest padded prompt
 
 
 class PagedKVCache:
-    """Per-layer page pools for a model (main layers, then the MTP layer) + a page allocator."""
+    """Per-layer page pools (main layers, then the draft layer) + a page allocator.
+
+    ``ratios``: each pool's compress ratio (default ``model.ratios()``: the main layers', then
+    the model's own MTP layer's)."""
 
     def __init__(self, model: DSV4, num_pages: int, page_size: int = 16, *,
-                 kv_format: str = "bf16", dtype=torch.bfloat16, device=None):
+                 kv_format: str = "bf16", dtype=torch.bfloat16, device=None, ratios=None):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         self.cfg = model.cfg
         self.page_size, self.num_pages, self.kv_format = page_size, num_pages, kv_format
-        self.ratios = model.ratios()
+        self.ratios = list(model.ratios() if ratios is None else ratios)
         self.layers = [LayerCache.allocate(model.cfg, r, num_pages, page_size, dtype=dtype,
                                            kv_format=kv_format, device=device)
                        for r in self.ratios]
@@ -79,7 +90,8 @@ class PagedKVCache:
 
 @dataclass
 class Generation:
-    """Output of :meth:`Engine.generate`: ``tokens[b]`` (new tokens only) and statistics."""
+    """Output of :meth:`Engine.generate`: ``tokens[b]`` (new tokens only, ending with the EOS
+    token when one was produced) and statistics."""
     tokens: list
     num_draft: int
     steps: int
@@ -102,152 +114,313 @@ class Generation:
         tot = sum(self.accept_hist)
         return sum((a + 1) * n for a, n in enumerate(self.accept_hist)) / tot if tot else 1.0
 
+    @property
+    def accepted_drafts(self) -> float:
+        """Mean accepted drafts a step (``mean_accepted - 1``)."""
+        return self.mean_accepted - 1.0
+
+
+class DraftLayer(nn.Module):
+    """An MTP layer with the main model's embedding and LM head, laid out as
+    :class:`~dsv4lab.model.DSV4` holds them (``embed``, ``head``, ``mtp[0]``), so the model's
+    own MTP forward drafts with it."""
+
+    def __init__(self, model: DSV4, mtp: MTP):
+        super().__init__()
+        self.cfg = model.cfg
+        self.embed, self.head = model.embed, model.head
+        self.mtp = nn.ModuleList([mtp])
+
+    mtp_forward_decode = DSV4.mtp_forward_decode
+
 
 def _stage(name: str):
-    """Profiler label of one stage of a decode step (see :meth:`_Runner.step`)."""
-    return torch.profiler.record_function("step." + name)
+    """Profiler label of one stage (see :meth:`DecodeLoop.verify`): free inside a replay."""
+    return torch.profiler.record_function(name)
 
 
-class _Runner:
-    """Static buffers + the step function for one (batch, num_draft) shape."""
+def _copy_meta(dst: DecodeMeta, src: DecodeMeta) -> None:
+    """``src``'s per-position tensors into ``dst``'s (in place: graphs read ``dst``)."""
+    for f in dataclasses.fields(DecodeMeta):
+        if f.name in ("positions", "memo") + PER_REQUEST_FIELDS:
+            continue
+        d, s = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(d, dict):
+            for r in d:
+                d[r].copy_(s[r])
+        elif isinstance(d, torch.Tensor):
+            d.copy_(s)
+
+
+def _capture(fns: list[Callable], side: torch.cuda.Stream) -> list:
+    """Warm ``fns`` up twice, in order, on the ``side`` stream (kernels compile, the allocator
+    settles), then capture each in its own CUDA graph."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for fn in fns:
+        g = torch.cuda.CUDAGraph()
+        with runtime.cuda_graph_capture(g):
+            fn()
+        graphs.append(g)
+    torch.cuda.synchronize()
+    return graphs
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+
+
+class DecodeLoop:
+    """Static buffers, the stages and their graphs for one (batch ``B``, drafts ``k``).
+
+    Host side: :meth:`load` (the prompts, one copy to the device), :meth:`run_prefill`,
+    :meth:`run_step` (a replay of each step graph, or the stages eagerly), :meth:`remaining`
+    and :meth:`results` (the loop's host synchronisations). Device side, what the graphs hold:
+    :meth:`prefill`, :meth:`step` (k = 0), :meth:`verify` and :meth:`draft` (k >= 1)."""
 
     def __init__(self, eng: "Engine", B: int, k: int):
-        dev = eng.device
-        self.eng, self.B, self.k = eng, B, k
-        self.block_table = torch.zeros(B, eng.n_raw, dtype=torch.int32, device=dev)
-        self.cblock_table = torch.zeros(B, eng.n_comp, dtype=torch.int32, device=dev)
-        self.cur_tok = torch.zeros(B, dtype=torch.long, device=dev)
-        self.cur_pos = torch.zeros(B, dtype=torch.long, device=dev)
-        self.drafts = torch.zeros(B, max(k, 1), dtype=torch.long, device=dev)
-        self.out = torch.zeros(B, eng.max_len + 1, dtype=torch.long, device=dev)  # last col: dump
-        self.n_out = torch.zeros(B, dtype=torch.long, device=dev)
-        self.max_new = torch.zeros(B, dtype=torch.long, device=dev)
-        self.hist = torch.zeros(k + 1, dtype=torch.long, device=dev)
-        self.n_steps = torch.zeros((), dtype=torch.long, device=dev)   # steps with work to do
-        self.graph = None
-        self.graph_error = None
+        dev, self.eng, self.B, self.k = eng.device, eng, B, k
+        z = lambda *s, dt=torch.long: torch.zeros(*s, dtype=dt, device=dev)  # noqa: E731
+        self.P = eng.n_raw * eng.page_size                 # positions a request's pages hold
+        self.inputs = z(B, 3 + eng.max_len)                # per request: length, max_new, eos, prompt
+        self.block_table = z(B, eng.n_raw, dt=torch.int32)
+        self.cblock_table = z(B, eng.n_comp, dt=torch.int32)
+        self.cur_tok, self.cur_pos = z(B), z(B)            # the pending token and its position
+        self.drafts = z(B, max(k, 1))
+        self.out = z(B, eng.max_len + 1)                   # new tokens; the last column is a dump
+        self.n_out, self.max_new, self.eos = z(B), z(B), z(B)
+        self.done = z(B, dt=torch.bool)
+        self.hist = z(k + 1)                               # steps that accepted 0..k drafts
+        self.n_steps = z(())                               # steps with a request still running
+        self.offsets = torch.arange(k + 1, device=dev)
+        self.draft_offsets = torch.arange(max(k - 1, 1), device=dev)
+        self.rows = torch.arange(B, device=dev)
+        self.no_drafts = z(B)
+        positions = torch.arange(self.P, device=dev).expand(B, self.P)
+        self.table = make_meta(eng.cfg, positions, self.block_table, self.cblock_table,
+                               eng.page_size, eng.table_ratios)
+        self.verified = None       # (g, a, h, meta, active) of the last verify: what draft reads
+        self.bucket = MIN_BUCKET
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
+        self.notes: list[str] = []
+        if eng.cuda_graphs:
+            names = ["step"] if k == 0 else ["verify", "draft"]
+            try:
+                self.graphs = dict(zip(names, _capture([getattr(self, n) for n in names], eng.side_stream())))
+            except Exception as exc:   # an op that syncs with the host cannot be captured
+                self.graphs = {}
+                self.notes.append(f"CUDA graph capture failed, steps ran eagerly: {_why(exc)}")
+                torch.cuda.synchronize()
 
-    # -- pieces -----------------------------------------------------------------------
-    def meta(self, positions, ratios):
+    # ---- host side -------------------------------------------------------------------
+    def load(self, prompts: list[list[int]], max_new: int, eos: int | None) -> None:
+        """The prompts, their lengths, ``max_new`` and the EOS id (-1: none) to the device."""
+        L = max(len(p) for p in prompts)
+        self.bucket = min(max(MIN_BUCKET, 1 << (L - 1).bit_length()), self.eng.max_len)
+        host = torch.zeros(self.B, self.inputs.shape[1], dtype=torch.long)
+        for b, p in enumerate(prompts):
+            host[b, :3] = torch.tensor([len(p), max_new, -1 if eos is None else eos])
+            host[b, 3:3 + len(p)] = torch.as_tensor(p, dtype=torch.long)
+        self.inputs.copy_(host)
+
+    def run_prefill(self) -> None:
+        L = self.bucket
+        if self.eng.cuda_graphs and self.graphs and L not in self.prefill_graphs:
+            try:
+                self.prefill_graphs[L] = _capture([lambda: self.prefill(L)], self.eng.side_stream())[0]
+            except Exception as exc:
+                self.prefill_graphs[L] = None
+                self.notes.append(f"CUDA graph capture of the {L}-token prefill failed, it ran "
+                                  f"eagerly: {_why(exc)}")
+                torch.cuda.synchronize()
+        g = self.prefill_graphs.get(L)
+        g.replay() if g is not None else self.prefill(L)
+
+    def run_step(self) -> None:
+        for name in ("step",) if self.k == 0 else ("verify", "draft"):
+            g = self.graphs.get(name)
+            g.replay() if g is not None else getattr(self, name)()
+
+    def stage_calls(self) -> dict[str, Callable[[], None]]:
+        """Each stage as :meth:`Engine.generate` runs it (a graph replay when captured), to
+        time alone: "step", or "verify" and "draft", then "prefill" (the last bucket). Called
+        after a generation, when every request is done, a step recomputes rows past the
+        requests' ends and changes nothing else; "prefill" restarts the requests."""
+        calls = {}
+        for name in ("step",) if self.k == 0 else ("verify", "draft"):
+            g = self.graphs.get(name)
+            calls[name] = g.replay if g is not None else getattr(self, name)
+        calls["prefill"] = self.run_prefill
+        return calls
+
+    def remaining(self) -> list[int]:
+        """Tokens each request still needs (0 once it has ``max_new`` or its EOS): a sync."""
+        return torch.where(self.done, 0, self.max_new - self.n_out).tolist()
+
+    def results(self, max_new: int) -> tuple[list, list, int]:
+        """(tokens per request, acceptance histogram, steps): one sync."""
+        B, k = self.B, self.k
+        flat = torch.cat([self.n_out, self.hist, self.n_steps.view(1),
+                          self.out[:, :max_new].flatten()]).tolist()
+        n, hist, steps, out = flat[:B], flat[B:B + k + 1], flat[B + k + 1], flat[B + k + 2:]
+        return [out[b * max_new:b * max_new + n[b]] for b in range(B)], hist, steps
+
+    # ---- device side: what the graphs hold -------------------------------------------
+    def meta_at(self, pos: torch.Tensor, ratios) -> DecodeMeta:
+        """The :class:`DecodeMeta` of tokens at ``pos [B, S]``: every per-position field of the
+        position table gathered at ``pos`` (the values :func:`make_meta` computes), for the
+        compress ratios in ``ratios``."""
+        idx = pos.clamp_max(self.P - 1)      # generate keeps positions below max_len
+        keep = {r for r in ratios if r}
+
+        def at(t):
+            return t.gather(1, idx if t.dim() == 2 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1]))
+
+        vals = {}
+        for f in dataclasses.fields(DecodeMeta):
+            v = getattr(self.table, f.name)
+            if f.name == "positions":
+                v = pos
+            elif f.name == "memo":
+                v = {}
+            elif isinstance(v, dict):
+                v = {r: at(t) for r, t in v.items() if r in keep}
+            elif isinstance(v, torch.Tensor) and f.name not in PER_REQUEST_FIELDS:
+                v = at(v)
+            vals[f.name] = v
+        return DecodeMeta(**vals)
+
+    def commit(self, g: torch.Tensor, a: torch.Tensor, active: torch.Tensor) -> None:
+        """Append ``g[:, :a+1]`` to each running request's output, up to its ``max_new`` and
+        through its first EOS; mark the requests that are done; count ``a``."""
+        j = self.offsets[:g.shape[1]]
+        dst = self.n_out.unsqueeze(1) + j
+        keep = (j <= a.unsqueeze(1)) & (dst < self.max_new.unsqueeze(1)) & active.unsqueeze(1)
+        hit = keep & (g == self.eos.unsqueeze(1))
+        keep &= (hit.cumsum(1) - hit.long()) == 0            # nothing after the first EOS
+        self.out.scatter_(1, torch.where(keep, dst, self.out.shape[1] - 1), g)
+        self.n_out += keep.sum(1)
+        self.done |= hit.any(1) | (self.n_out >= self.max_new)
+        self.hist.index_add_(0, a, active.long())
+
+    @torch.no_grad()
+    def prefill(self, L: int) -> None:
+        """Prompts padded to ``L`` tokens -> the first token, the loop's state (and drafts).
+        Padded positions write rows that no query sees before a step overwrites them."""
+        e, inp = self.eng, self.inputs
+        lens, max_new, eos, toks = inp[:, 0], inp[:, 1], inp[:, 2], inp[:, 3:3 + L]
+        with _stage("prefill.main"):
+            _copy_meta(self.table, make_meta(e.cfg, self.table.positions, self.block_table,
+                                             self.cblock_table, e.page_size, e.table_ratios))
+            pos = self.table.positions[:, :L]
+            meta = self.meta_at(pos, e.table_ratios)
+            logits, h = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
+            last = (lens - 1).view(-1, 1)
+            first = logits.argmax(-1).gather(1, last)[:, 0]
+            self.out[:, 0] = first
+            self.n_out.fill_(1)
+            self.max_new.copy_(max_new)
+            self.eos.copy_(eos)
+            self.done.copy_((first == eos) | (max_new <= 1))
+            self.hist.zero_()
+            self.n_steps.zero_()
+            self.cur_tok.copy_(first)
+            self.cur_pos.copy_(lens)
+        if self.k:
+            with _stage("prefill.mtp"):
+                nt = torch.cat([toks[:, 1:], toks[:, :1]], 1).scatter_(1, last, first.view(-1, 1))
+                ml, mh = e.drafter.mtp_forward_decode(h, nt, meta, e.cache.mtp, e.draft_backends)
+                d1 = ml.argmax(-1).gather(1, last)[:, 0]
+                self.drafts.copy_(self.draft_rest(mh[self.rows, lens - 1], d1, lens))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Plain decoding (k = 0): the pending token through the main model."""
         e = self.eng
-        return make_meta(e.cfg, positions, self.block_table, self.cblock_table, e.page_size, ratios)
+        active = ~self.done
+        self.n_steps += active.any()
+        with _stage("step.meta"):
+            meta = self.meta_at(self.cur_pos.unsqueeze(1), e.ratios)
+        with _stage("step.main"):
+            logits, _ = e.model.forward_decode(self.cur_tok.unsqueeze(1), meta, e.cache.main, e.backends)
+        with _stage("step.accept"):
+            g = logits.argmax(-1)
+            self.commit(g, self.no_drafts, active)
+        with _stage("step.update"):
+            self.cur_tok.copy_(g[:, 0])
+            self.cur_pos += active
 
-    def commit(self, g, a, active):
-        """Write g[:, :a+1] after each request's outputs; count it."""
-        k1 = g.shape[1]
-        j = torch.arange(k1, device=g.device)
-        cap = self.out.shape[1] - 1
-        dst = (self.n_out.unsqueeze(1) + j).clamp_max(cap - 1)
-        ok = (j <= a.unsqueeze(1)) & active.unsqueeze(1)
-        self.out.scatter_(1, torch.where(ok, dst, torch.full_like(dst, cap)), g)
-        self.n_out += torch.where(active, a + 1, torch.zeros_like(a))
-        self.hist += (torch.nn.functional.one_hot(a, self.k + 1) * active.unsqueeze(1)).sum(0)
+    @torch.no_grad()
+    def verify(self) -> None:
+        """The pending token and the k drafts through the main model (S = k + 1); accept the
+        agreeing prefix plus the main model's next token. Rolling back is nothing to do: the
+        rejected positions' rows are never read before a later step rewrites them."""
+        e, k = self.eng, self.k
+        active = ~self.done
+        self.n_steps += active.any()
+        with _stage("step.meta"):
+            toks = torch.cat([self.cur_tok.unsqueeze(1), self.drafts], 1)
+            pos = self.cur_pos.unsqueeze(1) + self.offsets
+            meta = self.meta_at(pos, e.table_ratios)     # the MTP layer's ratio too: draft reuses it
+        with _stage("step.main"):
+            logits, h = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
+        with _stage("step.accept"):
+            g = logits.argmax(-1)                                        # [B, k+1]
+            a = (self.drafts == g[:, :k]).cumprod(1).sum(1)              # drafts accepted
+            self.commit(g, a, active)
+        self.verified = (g, a, h, meta, active)
 
-    def draft_rest(self, hm, d1, new_pos):
-        """Drafts 2..k by running the MTP layer on its own hidden state. The k - 1 draft
-        positions are known up front, so one meta serves every pass (sliced: views only)."""
+    @torch.no_grad()
+    def draft(self) -> None:
+        """The MTP layer over the verified positions (S = k + 1: its cache, draft 1 at the
+        accepted position), then drafts 2..k; advance the pending token and position."""
         e = self.eng
-        drafts = [d1]
+        g, a, h, meta, active = self.verified
+        with _stage("step.mtp"):
+            ml, mh = e.drafter.mtp_forward_decode(h, g, meta, e.cache.mtp, e.draft_backends)
+            ia = a.view(-1, 1)
+            d1 = ml.argmax(-1).gather(1, ia)[:, 0]
+            new_pos = self.cur_pos + a + 1
+        with _stage("step.draft"):
+            drafts = self.draft_rest(mh[self.rows, a], d1, new_pos)
+        with _stage("step.update"):
+            self.cur_tok.copy_(g.gather(1, ia)[:, 0])
+            self.cur_pos.copy_(torch.where(active, new_pos, self.cur_pos))
+            self.drafts.copy_(drafts)
+
+    def draft_rest(self, hm: torch.Tensor, d1: torch.Tensor, new_pos: torch.Tensor) -> torch.Tensor:
+        """Drafts 2..k: the MTP layer on its own streams, one position at a time (the k - 1
+        positions are known up front: one meta, sliced). -> drafts [B, k]."""
         if self.k < 2:
             return d1.unsqueeze(1)
-        pos = new_pos.unsqueeze(1) + torch.arange(self.k - 1, device=new_pos.device)
-        full = self.meta(pos, [e.mtp_ratio])
+        e = self.eng
+        full = self.meta_at(new_pos.unsqueeze(1) + self.draft_offsets, [e.mtp_ratio])
+        drafts = [d1]
         for j in range(self.k - 1):
-            ml, h = e.model.mtp_forward_decode(hm.unsqueeze(1), drafts[-1].unsqueeze(1),
-                                               full.column(j), e.cache.mtp, e.draft_backends)
+            ml, h = e.drafter.mtp_forward_decode(hm.unsqueeze(1), drafts[-1].unsqueeze(1),
+                                                 full.column(j), e.cache.mtp, e.draft_backends)
             hm = h[:, 0]
             drafts.append(ml[:, 0].argmax(-1))
         return torch.stack(drafts, 1)
-
-    # -- one decode step ----------------------------------------------------------------
-    @torch.no_grad()
-    def step(self):
-        """One decode (k = 0) or draft-verify-accept (k >= 1) step for every request.
-
-        Each stage runs under a ``torch.profiler.record_function`` label (``step.meta``,
-        ``step.main``, ``step.accept``, ``step.mtp``, ``step.draft``, ``step.update``) so a
-        profile of eager steps splits their kernels by stage; the labels cost nothing inside
-        a CUDA graph replay."""
-        e = self.eng
-        active = self.n_out < self.max_new
-        self.n_steps += active.any().long()
-        if self.k == 0:
-            toks = self.cur_tok.unsqueeze(1)
-            with _stage("meta"):
-                meta = self.meta(self.cur_pos.unsqueeze(1), e.ratios)
-            with _stage("main"):
-                logits, _ = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
-            with _stage("accept"):
-                g = logits.argmax(-1)
-                a = torch.zeros_like(self.cur_pos)
-                self.commit(g, a, active)
-            with _stage("update"):
-                self.cur_tok.copy_(torch.where(active, g[:, 0], self.cur_tok))
-                self.cur_pos.add_(active.long())
-            return
-        k = self.k
-        with _stage("meta"):
-            toks = torch.cat([self.cur_tok.unsqueeze(1), self.drafts], 1)
-            pos = self.cur_pos.unsqueeze(1) + torch.arange(k + 1, device=toks.device)
-            meta = self.meta(pos, e.ratios)
-        with _stage("main"):
-            logits, h = e.model.forward_decode(toks, meta, e.cache.main, e.backends)
-        with _stage("accept"):
-            g = logits.argmax(-1)                                            # [B, k+1]
-            a = (self.drafts == g[:, :k]).long().cumprod(1).sum(1)           # accepted drafts
-            self.commit(g, a, active)
-        # draft the next k: MTP over the verified positions, then recursively
-        # the MTP layer (compress ratio 0) reads only positions, slots and the window:
-        # the verify's meta (same positions) serves it as is
-        with _stage("mtp"):
-            mmeta = meta if not e.mtp_ratio else self.meta(pos, [e.mtp_ratio])
-            ml, mh = e.model.mtp_forward_decode(h, g, mmeta, e.cache.mtp, e.draft_backends)
-            ia = a.view(-1, 1)
-            d1 = ml.gather(1, ia.view(-1, 1, 1).expand(-1, 1, ml.shape[-1]))[:, 0].argmax(-1)
-            hm = mh[torch.arange(self.B, device=a.device), a]
-            new_pos = self.cur_pos + a + 1
-        with _stage("draft"):
-            drafts = self.draft_rest(hm, d1, new_pos)
-        with _stage("update"):
-            bonus = g.gather(1, ia)[:, 0]
-            self.cur_tok.copy_(torch.where(active, bonus, self.cur_tok))
-            self.cur_pos.copy_(torch.where(active, new_pos, self.cur_pos))
-            self.drafts.copy_(torch.where(active.unsqueeze(1), drafts, self.drafts))
-
-    def run_step(self):
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.step()
-
-    def capture(self):
-        """Warm up (compiles kernels; state is the dummy all-scratch one) and capture."""
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self.step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with runtime.cuda_graph_capture(g):
-                self.step()
-            torch.cuda.synchronize()
-            self.graph = g
-        except Exception as exc:  # an op that syncs with the host cannot be captured
-            self.graph = None
-            self.graph_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            torch.cuda.synchronize()
 
 
 class Engine:
     """Greedy generation from a :class:`~dsv4lab.model.DSV4` with a paged cache.
 
-    ``backends`` / ``draft_backends``: op name -> backend for the main model / the MTP
-    layer (the keys of :data:`dsv4lab.model.OPS`: "sparse_mla_decode", "indexer_topk", "fused_moe",
-    "mhc", "linear"; missing = "auto").
+    ``backends`` / ``draft_backends``: op name -> backend for the main model / the draft
+    layer (the keys of :data:`dsv4lab.model.OPS`: "sparse_mla_decode", "indexer_topk",
+    "fused_moe", "mhc", "linear"; missing = "auto").
+    ``draft``: what drafts: None for the model's own MTP layer; an :class:`~dsv4lab.model.MTP`
+    layer (it shares the model's embedding and LM head); or a module holding one as DSV4
+    does (``mtp[0]``, ``mtp_forward_decode``, e.g. a checkpoint loader's draft model).
     ``kv_format``: "bf16" (the model dtype) or "fp8" (584-byte rows; head_dim 512 only).
-    ``cuda_graphs``: capture each step (default: on a GPU). ``dtype``: the model's float
+    ``cuda_graphs``: capture each stage (default: on a GPU). ``dtype``: the model's float
     dtype for decoding (default fp32). ``cpu_threads``: torch intra-op threads while
     generating on the CPU (default 1: decode-sized ops only pay for thread hand-offs;
     restored afterwards; None leaves torch's setting alone).
@@ -256,7 +429,11 @@ class Engine:
     def __init__(self, model: DSV4, *, max_batch: int = 8, max_len: int = 1024,
                  page_size: int = 16, kv_format: str = "bf16", dtype: torch.dtype | None = None,
                  device=None, backends: dict | None = None, draft_backends: dict | None = None,
-                 cuda_graphs: bool | None = None, cpu_threads: int | None = 1):
+                 draft: nn.Module | None = None, cuda_graphs: bool | None = None,
+                 cpu_threads: int | None = 1):
+        for name, value, low in (("max_batch", max_batch, 1), ("max_len", max_len, 2), ("page_size", page_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.device = torch.device(device) if device is not None else runtime.device()
         # fp32 by default: the mini model is launch-bound, so fp32 costs ~nothing, and it
         # keeps the S_q = 1 decode and the S_q = k + 1 verify numerically interchangeable
@@ -264,34 +441,60 @@ class Engine:
         self.dtype = dtype or torch.float32
         self.model = to_dtype(model, self.dtype).to(self.device).eval()
         self.cfg = model.cfg
+        self.drafter = self._drafter(draft)
         self.max_batch, self.max_len, self.page_size = max_batch, max_len, page_size
         self.backends = dict(backends or {})
         self.draft_backends = dict(draft_backends if draft_backends is not None else self.backends)
-        self.moe_plans = self._resolve_backends(model, kv_format)
+        self.moe_plans = self._resolve_backends(kv_format)
         self.ratios = [b.ratio for b in model.layers]
-        self.mtp_ratio = model.mtp[0].block.ratio if len(model.mtp) else 0
-        pos_ratios = [r for r in self.ratios + [self.mtp_ratio] if r]
+        self.mtp_ratio = self.drafter.mtp[0].block.ratio if self.drafter is not None else 0
+        self.table_ratios = sorted({r for r in self.ratios + [self.mtp_ratio] if r})
         self.n_raw = math.ceil(max_len / page_size)
-        if pos_ratios:
-            self.n_comp = max(math.ceil(max_len / min(pos_ratios) / page_size),
+        if self.table_ratios:
+            self.n_comp = max(math.ceil(max_len / min(self.table_ratios) / page_size),
                               math.ceil(self.cfg.index_topk / page_size), 1)
         else:
             self.n_comp = 1
-        self.cache = PagedKVCache(model, 1 + max_batch * (self.n_raw + self.n_comp), page_size,
-                                  kv_format=kv_format, dtype=self.dtype, device=self.device)
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        ratios = self.ratios + ([self.mtp_ratio] if self.drafter is not None else [])
+        self.cache = PagedKVCache(self.model, 1 + max_batch * (self.n_raw + self.n_comp), page_size,
+                                  kv_format=kv_format, dtype=self.dtype, device=self.device, ratios=ratios)
+        self.cuda_graphs = self.device.type == "cuda" and (cuda_graphs is None or bool(cuda_graphs))
         self.cpu_threads = cpu_threads
-        self._runners: dict = {}
+        self._loops: dict = {}
+        self._side = None
+
+    def side_stream(self) -> torch.cuda.Stream:
+        """The stream the captures warm up on (one per engine)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     # -------------------------------------------------------------------------------
-    def _resolve_backends(self, model: DSV4, kv_format: str) -> dict:
+    def _drafter(self, draft):
+        """The module whose ``mtp_forward_decode`` drafts (None: the model has no MTP layer)."""
+        if draft is None:
+            return self.model if len(self.model.mtp) else None
+        if isinstance(draft, MTP):
+            draft = DraftLayer(self.model, draft)
+        elif not (callable(getattr(draft, "mtp_forward_decode", None)) and len(getattr(draft, "mtp", ()))
+                  and isinstance(draft.mtp[0], MTP)):
+            raise ValueError("draft must be an MTP layer (dsv4lab.model.MTP) or a module holding one "
+                             f"as DSV4 does (mtp[0], mtp_forward_decode), got {type(draft).__name__}")
+        d = draft.mtp[0].norm.weight.shape[0]
+        if d != self.cfg.hidden_size:
+            raise ValueError(f"draft: its MTP layer has hidden size {d}, the model {self.cfg.hidden_size}")
+        return to_dtype(draft, self.dtype).to(self.device).eval()
+
+    def _resolve_backends(self, kv_format: str) -> dict:
         """Resolve every op's backend now (BackendUnavailable here, before any kernel).
 
-        The routed experts' format comes from the model (as from checkpoint metadata) and
-        goes through :func:`dsv4lab.backends.resolve_moe_backend` for the main model and the
-        draft alike.
+        The routed experts' format comes from the model and the draft (as from checkpoint
+        metadata) and goes through :func:`dsv4lab.backends.resolve_moe_backend` for the main
+        model and the draft alike.
         """
         target = B.Target.current(self.device)
+        fmts = {"main": self.model.expert_format,
+                "draft": self.drafter.mtp[0].block.moe.fmt if self.drafter is not None else "bf16"}
         plans = {}
         for role, table in (("main", self.backends), ("draft", self.draft_backends)):
             unknown = set(table) - set(OPS)
@@ -304,29 +507,28 @@ class Engine:
                                               target=target).name
             if table.get("mhc", "auto") != "auto":      # "auto" is decided per call (grad, device)
                 B.resolve("mhc", table["mhc"], target=target)
-            if model.expert_format != "bf16":
-                plan = B.resolve_moe_backend(role, metadata={"expert_format": model.expert_format},
+            if fmts[role] != "bf16":
+                plan = B.resolve_moe_backend(role, metadata={"expert_format": fmts[role]},
                                              moe_runner_backend=table.get("fused_moe", "auto"),
                                              target=target)
                 table["fused_moe"] = plan.backend.name
                 plans[role] = plan
         return plans
 
-    def _runner(self, B: int, k: int) -> _Runner:
-        key = (B, k)
-        if key not in self._runners:
-            r = _Runner(self, B, k)
-            if self.cuda_graphs and self.device.type == "cuda":
-                r.capture()
-            self._runners[key] = r
-        return self._runners[key]
+    def loop(self, batch: int, num_draft: int) -> DecodeLoop:
+        """The :class:`DecodeLoop` of ``batch`` requests and ``num_draft`` drafts, made (and
+        its step graphs captured) on first use."""
+        key = (batch, num_draft)
+        if key not in self._loops:
+            self._loops[key] = DecodeLoop(self, batch, num_draft)
+        return self._loops[key]
 
-    def admit(self, r: _Runner) -> list[int]:
-        """Give each of the runner's ``B`` request slots its raw and compressed pages (the
+    def admit(self, loop: DecodeLoop) -> list[int]:
+        """Give each of the loop's ``B`` request slots its raw and compressed pages (the
         block tables); returns the pages, for :meth:`PagedKVCache.release`."""
         pages, bt, cbt = [], [], []
         try:
-            for _ in range(r.B):
+            for _ in range(loop.B):
                 raw, comp = self.cache.alloc(self.n_raw), self.cache.alloc(self.n_comp)
                 pages += raw + comp
                 bt.append(raw)
@@ -334,120 +536,88 @@ class Engine:
         except RuntimeError:
             self.cache.release(pages)
             raise
-        r.block_table.copy_(torch.tensor(bt, dtype=torch.int32))
-        r.cblock_table.copy_(torch.tensor(cbt, dtype=torch.int32))
+        loop.block_table.copy_(torch.tensor(bt, dtype=torch.int32))
+        loop.cblock_table.copy_(torch.tensor(cbt, dtype=torch.int32))
         return pages
 
-    @torch.no_grad()
-    def prefill(self, r: _Runner, prompts: list[list[int]], max_new: int) -> None:
-        """Run the prompts; set the runner's pending token, position, outputs (and drafts)."""
-        B, dev = len(prompts), self.device
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        L = int(max(len(p) for p in prompts))
-        toks = torch.zeros(B, L, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            toks[b, :len(p)] = torch.as_tensor(p, dtype=torch.long)
-        pos = torch.arange(L, device=dev).expand(B, L)
-        with torch.profiler.record_function("prefill.main"):
-            meta = r.meta(pos, self.ratios)
-            logits, h = self.model.forward_decode(toks, meta, self.cache.main, self.backends)
-        last = (lens - 1).view(B, 1)
-        first = logits.gather(1, last.unsqueeze(-1).expand(-1, 1, logits.shape[-1]))[:, 0].argmax(-1)
-        r.out.zero_()
-        r.out[:, 0] = first
-        r.n_out.fill_(1)
-        r.max_new.fill_(max_new)
-        r.hist.zero_()
-        r.n_steps.zero_()
-        r.cur_tok.copy_(first)
-        r.cur_pos.copy_(lens)
-        if r.k:
-            self._prefill_drafts(r, toks, pos, h, first, lens, last)
-
-    def _prefill_drafts(self, r: _Runner, toks, pos, h, first, lens, last) -> None:
-        """The MTP layer over the prompt (its cache), then the first k drafts."""
-        B, dev = toks.shape[0], self.device
-        with torch.profiler.record_function("prefill.mtp"):
-            nt = torch.cat([toks[:, 1:], toks[:, :1]], 1)
-            nt.scatter_(1, last, first.view(B, 1))
-            ml, mh = self.model.mtp_forward_decode(h, nt, r.meta(pos, [self.mtp_ratio]),
-                                                   self.cache.mtp, self.draft_backends)
-            d1 = ml.gather(1, last.unsqueeze(-1).expand(-1, 1, ml.shape[-1]))[:, 0].argmax(-1)
-            hm = mh[torch.arange(B, device=dev), lens - 1]
-            r.drafts.copy_(r.draft_rest(hm, d1, lens))
-
-    def generate(self, prompts, max_new_tokens: int, *, num_draft: int = 0,
-                 progress: bool | None = None, sync_every: int = 16) -> Generation:
-        threads = torch.get_num_threads()
-        if self.device.type == "cpu" and self.cpu_threads:
-            torch.set_num_threads(self.cpu_threads)
-        try:
-            return self._generate(prompts, max_new_tokens, num_draft, progress, sync_every)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _generate(self, prompts, max_new_tokens, num_draft, progress, sync_every) -> Generation:
-        """Greedy continuation of each prompt (lists of token ids, or bytes/str for the
-        byte-level mini model) by ``max_new_tokens`` tokens; ``num_draft`` MTP drafts per
-        step (0 = plain decoding)."""
+    def _check_request(self, prompts, max_new_tokens: int, num_draft: int, eos_token_id) -> list[list[int]]:
+        """The prompts as lists of token ids; ValueError naming what is wrong."""
         prompts = [list(p.encode() if isinstance(p, str) else p) for p in prompts]
-        B = len(prompts)
-        if not 1 <= B <= self.max_batch:
-            raise ValueError(f"prompts: need 1..max_batch={self.max_batch} prompts, got {B}")
+        if not 1 <= len(prompts) <= self.max_batch:
+            raise ValueError(f"prompts: need 1..max_batch={self.max_batch} prompts, got {len(prompts)}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: every prompt needs at least one token")
-        if not 0 <= num_draft <= 3 or (num_draft and not len(self.model.mtp)):
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft <= 3 \
+                or (num_draft and self.drafter is None):
             raise ValueError(f"num_draft must be 0..3 (and the model needs an MTP layer), got {num_draft}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         need = max(len(p) for p in prompts) + max_new_tokens + 2 * num_draft + 2
         if need > self.max_len:
             raise ValueError(f"prompt + max_new_tokens (+ {2 * num_draft + 2} for drafts) = {need} "
                              f"exceeds the engine's max_len={self.max_len}")
         V = self.cfg.vocab_size
-        if any(t < 0 or t >= V for p in prompts for t in p):
+        if any(not 0 <= t < V for p in prompts for t in p):
             raise ValueError(f"prompts: token ids must lie in [0, {V})")
-        r = self._runner(B, num_draft)
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
+                                         or not 0 <= eos_token_id < V):
+            raise ValueError(f"eos_token_id must be None or an int in [0, {V}), got {eos_token_id!r}")
+        return prompts
+
+    def generate(self, prompts, max_new_tokens: int, *, num_draft: int = 0,
+                 eos_token_id: int | None = None, progress: bool | None = None,
+                 sync_every: int = 16) -> Generation:
+        """Greedy continuation of each prompt (lists of token ids, or bytes/str for the
+        byte-level mini model) by ``max_new_tokens`` tokens, or through its first
+        ``eos_token_id``; ``num_draft`` MTP drafts a step (0 = plain decoding)."""
+        prompts = self._check_request(prompts, max_new_tokens, num_draft, eos_token_id)
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu" and self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            return self._generate(prompts, max_new_tokens, num_draft, eos_token_id, progress, sync_every)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _generate(self, prompts, max_new, k, eos, progress, sync_every) -> Generation:
+        loop = self.loop(len(prompts), k)
         pages = []
         try:
-            pages = self.admit(r)
+            pages = self.admit(loop)
+            loop.load(prompts, max_new, eos)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            self.prefill(r, prompts, max_new_tokens)
-            show = progress if progress is not None else B * max_new_tokens >= 4096
+            loop.run_prefill()
+            show = progress if progress is not None else len(prompts) * max_new >= 4096
             bar = None
             if show:
                 from tqdm.auto import tqdm
-                bar = tqdm(total=B * max_new_tokens, desc=f"generate (k={num_draft})", leave=False)
-            # Launch steps in chunks, reading the outputs' counts between chunks. A chunk is
-            # never longer than the steps the slowest request can still use (every step
-            # gives each unfinished request 1..k+1 tokens): no step runs after all are done.
-            launched, left = 0, max_new_tokens - 1   # the prefill made one token
-            limit = left                             # every step makes >= 1 more
-            while left > 0 and launched < limit:
-                n = min(sync_every, -(-left // (num_draft + 1)), limit - launched)
+                bar = tqdm(total=len(prompts) * max_new, desc=f"generate (k={k})", leave=False)
+            # Steps in chunks, reading between chunks how many tokens each request still needs.
+            # A step gives every running request 1..k+1 tokens, so a chunk is never longer than
+            # the neediest request can use: no step runs after all are done.
+            launched = 0
+            need = max(loop.remaining()) if eos is not None else max_new - 1   # EOS may come first
+            while need > 0 and launched < max_new - 1:
+                n = min(sync_every, -(-need // (k + 1)), max_new - 1 - launched)
                 for _ in range(n):
-                    r.run_step()
+                    loop.run_step()
                 launched += n
-                n_out = r.n_out.clamp_max(max_new_tokens)
-                counts = n_out.tolist()
-                left = max_new_tokens - min(counts)
+                left = loop.remaining()
+                need = max(left)
                 if bar is not None:
-                    bar.update(sum(counts) - bar.n)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
+                    bar.update(len(prompts) * max_new - sum(left) - bar.n)
+            tokens, hist, steps = loop.results(max_new)
             seconds = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
-            out = r.out[:, :max_new_tokens].tolist()
-            hist = r.hist.tolist()
-            steps = int(r.n_steps)
         finally:
             self.cache.release(pages)
-        notes = [f"CUDA graph capture failed, ran eagerly: {r.graph_error}"] if r.graph_error else []
-        return Generation(tokens=out, num_draft=num_draft, steps=steps, accept_hist=hist,
-                          seconds=seconds, graphs=r.graph is not None, notes=notes)
+        return Generation(tokens=tokens, num_draft=k, steps=steps, accept_hist=hist, seconds=seconds,
+                          graphs=bool(loop.graphs), notes=list(loop.notes))
 
 
 def decode_text(tokens) -> str:

@@ -84,11 +84,88 @@ def test_speculative_equals_plain_with_oracle_drafts(k, corrupt):
     assert all(acc[i] >= acc[i + 1] for i in range(k - 1))   # draft i+1 needs draft i
 
 
+RAW_FIELDS = ("kv", "comp_kv", "comp_gate", "idx_kv", "idx_gate")     # one row per token
+ENTRY_FIELDS = ("kv", "idx_keys", "idx_scale")                          # one row per compressed entry
+
+
+def _written_rows(eng, loop, prompts, max_new):
+    """Per layer, {(field, kind, request): rows} of the positions plain decoding writes
+    (prompt + max_new - 1 of them): raw rows, and the compressed entries complete by then."""
+    page, out = eng.page_size, []
+    bt, cbt = loop.block_table.tolist(), loop.cblock_table.tolist()
+    for layer, ratio in zip(eng.cache.layers, eng.cache.ratios):
+        rows = {}
+        for b, p in enumerate(prompts):
+            n = len(p) + max_new - 1
+            slots = {"raw": [bt[b][q // page] * page + q % page for q in range(n)],
+                     "entry": [cbt[b][j // page] * page + j % page for j in range(n // ratio)] if ratio else []}
+            for name, t in vars(layer).items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                flat = t.flatten(0, 1) if t.shape[:2] == (eng.cache.num_pages, page) else t
+                for kind, names in (("raw", RAW_FIELDS), ("entry", ENTRY_FIELDS)):
+                    if name in names and slots[kind]:
+                        rows[(name, kind, b)] = flat[torch.tensor(slots[kind])].float()
+        out.append(rows)
+    return out
+
+
+def test_rollback_leaves_the_cache_as_plain_decoding_writes_it():
+    """Rejected drafts write rows at positions that are rolled back; after generation every
+    row at a position plain decoding wrote holds what plain decoding wrote there (main
+    layers), and the draft layer's rows agree between runs with different drafts."""
+    prompts = [[1, 2, 3, 4, 5, 6], [200] * 13]
+    n = 14
+    plain_eng = Engine(_model(seed=1), max_batch=2, max_len=48, page_size=4, backends=TORCH)
+    plain = plain_eng.generate(prompts, n)
+    want = _written_rows(plain_eng, plain_eng.loop(2, 0), prompts, n)
+    mtp_rows = []
+    for k, corrupt in ((1, 3), (3, 2)):
+        m = _model(seed=1)
+        eng = Engine(m, max_batch=2, max_len=48, page_size=4, backends=TORCH)
+        _install_oracle(m, prompts, plain.tokens, corrupt)
+        spec = eng.generate(prompts, n, num_draft=k)
+        assert spec.tokens == plain.tokens and spec.accept_hist[0] > 0      # drafts were rejected
+        got = _written_rows(eng, eng.loop(2, k), prompts, n)
+        for layer in range(eng.cfg.num_layers):
+            for key, rows in want[layer].items():
+                torch.testing.assert_close(got[layer][key], rows, atol=1e-5, rtol=1e-5,
+                                           msg=lambda msg: f"layer {layer} {key}: {msg}")
+        mtp_rows.append(got[eng.cfg.num_layers])
+    for key, rows in mtp_rows[0].items():
+        torch.testing.assert_close(mtp_rows[1][key], rows, atol=1e-5, rtol=1e-5)
+
+
 def test_acceptance_statistics():
     g = Generation(tokens=[[]], num_draft=2, steps=10, accept_hist=[2, 3, 5], seconds=1.0,
                    graphs=False)
     assert g.acceptance == [0.8, 0.5]
     assert g.mean_accepted == pytest.approx((2 * 1 + 3 * 2 + 5 * 3) / 10)
+    assert g.accepted_drafts == pytest.approx(g.mean_accepted - 1)
+    empty = Generation(tokens=[[]], num_draft=0, steps=0, accept_hist=[0], seconds=0.0, graphs=False)
+    assert empty.acceptance == [] and empty.mean_accepted == 1.0
+
+
+def test_engine_drafts_with_a_given_mtp_layer():
+    """Any MTP layer of the model's class drafts (as a checkpoint loader would hand one):
+    a copy of the model's own gives the same acceptance; a wrong object is refused."""
+    m = _model(seed=2)
+    prompts = [[5, 4, 3, 2, 1, 0, 9], [33, 34]]
+    own = Engine(copy.deepcopy(m), max_batch=2, max_len=32, page_size=8, backends=TORCH)
+    ref = own.generate(prompts, 6, num_draft=2)
+    main = copy.deepcopy(m)
+    layer = main.mtp[0]
+    main.mtp = torch.nn.ModuleList()                          # a model without its own MTP layer
+    eng = Engine(main, max_batch=2, max_len=32, page_size=8, backends=TORCH, draft=layer)
+    got = eng.generate(prompts, 6, num_draft=2)
+    assert got.tokens == ref.tokens and got.accept_hist == ref.accept_hist
+    with pytest.raises(ValueError, match="num_draft"):
+        Engine(copy.deepcopy(main), max_batch=1, max_len=32, backends=TORCH).generate([[1]], 2, num_draft=1)
+    with pytest.raises(ValueError, match="draft must be"):
+        Engine(copy.deepcopy(m), max_batch=1, max_len=32, backends=TORCH, draft=torch.nn.Linear(2, 2))
+    other = DSV4(tiny_config(hidden_size=32, q_lora_rank=16, o_lora_rank=16)).mtp[0]
+    with pytest.raises(ValueError, match="hidden size"):
+        Engine(copy.deepcopy(m), max_batch=1, max_len=32, backends=TORCH, draft=other)
 
 
 def test_speculative_with_triton_backends_in_interpreter():
@@ -153,12 +230,13 @@ def test_step_stages_are_labelled_for_the_profiler():
     plain = eng.generate([[3, 1, 4, 1, 5]], 6)
     for k, want in ((0, {"meta", "main", "accept", "update"}),
                     (2, {"meta", "main", "accept", "mtp", "draft", "update"})):
-        r = eng._runner(1, k)
-        pages = eng.admit(r)
+        loop = eng.loop(1, k)
+        pages = eng.admit(loop)
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                eng.prefill(r, [[3, 1, 4, 1, 5]], 6)
-                r.step()
+                loop.load([[3, 1, 4, 1, 5]], 6, None)
+                loop.run_prefill()
+                loop.run_step()
         finally:
             eng.cache.release(pages)
         names = {e.name for e in prof.events()}
@@ -170,37 +248,73 @@ def test_step_stages_are_labelled_for_the_profiler():
 
 def test_admit_hands_back_pages_when_the_cache_runs_out():
     eng = Engine(_model(), max_batch=2, max_len=16, page_size=8, backends=TORCH)
-    r = eng._runner(2, 0)
+    loop = eng.loop(2, 0)
     free = eng.cache.free_pages
     hog = eng.cache.alloc(free - (eng.n_raw + eng.n_comp))     # room for one request, not two
     with pytest.raises(RuntimeError, match="out of pages"):
-        eng.admit(r)
+        eng.admit(loop)
     assert eng.cache.free_pages == eng.n_raw + eng.n_comp
     eng.cache.release(hog)
-    pages = eng.admit(r)
+    pages = eng.admit(loop)
     assert len(pages) == 2 * (eng.n_raw + eng.n_comp) and eng.cache.free_pages == free - len(pages)
-    assert r.block_table.tolist() == [pages[:eng.n_raw], pages[eng.n_raw + eng.n_comp:2 * eng.n_raw + eng.n_comp]]
+    assert loop.block_table.tolist() == [pages[:eng.n_raw], pages[eng.n_raw + eng.n_comp:2 * eng.n_raw + eng.n_comp]]
     eng.cache.release(pages)
+
+
+def test_stage_calls_after_a_generation_change_no_output():
+    """The bench times each stage alone after a generation: every request is done then, so
+    a step changes no output; the prefill restarts the requests."""
+    eng = Engine(_model(seed=2), max_batch=2, max_len=40, page_size=8, backends=TORCH)
+    prompts = [[5, 4, 3, 2, 1], [33, 34]]
+    for k in (0, 2):
+        ref = eng.generate(prompts, 5, num_draft=k)
+        loop = eng.loop(2, k)
+        pages = eng.admit(loop)
+        try:
+            loop.load(prompts, 5, None)
+            loop.run_prefill()
+            while max(loop.remaining()):
+                loop.run_step()
+            before = loop.results(5)
+            calls = loop.stage_calls()
+            assert list(calls) == (["step"] if k == 0 else ["verify", "draft"]) + ["prefill"]
+            for name in list(calls)[:-1]:
+                calls[name]()
+            assert loop.results(5) == before and before[0] == ref.tokens
+        finally:
+            eng.cache.release(pages)
 
 
 def test_bench_smoke_rows_and_figures():
     """``dsv4lab bench spec --smoke``: plain and speculative rows, each labelled with its
     ``mode`` (eager steps here: no CUDA graphs on the CPU), output identical to plain
-    decoding; the figures draw these rows and the recorded ones (rows from before ``mode``
-    existed included)."""
+    decoding, the step timings that explain the speedup; the figures draw these rows and the
+    recorded ones (rows from before ``mode`` and the step timings existed included)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from dsv4lab import benchmarks, results
     from dsv4lab.plots import spec as P
     rows = benchmarks.run("spec", smoke=True, record=False)
-    assert {(r["concurrency"], r["num_draft"]) for r in rows} == {(c, k) for c in (1, 2) for k in (0, 1, 2)}
+    assert {(r["concurrency"], r["num_draft"]) for r in rows} == {(c, k) for c in (1, 2) for k in (0, 2)}
     assert all(r["identical"] and r["mode"] == ("graph" if r["graphs"] else "eager") for r in rows)
-    assert all(r["speedup"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["run"] == 0 for r in rows)
+    for r in rows:
+        assert "_tokens" not in r and r["plain_step_ms"] > 0 and r["prefill_ms"] > 0
+        if r["num_draft"]:
+            assert r["step_ms"] == pytest.approx(r["verify_ms"] + r["draft_ms"])
+        else:
+            assert r["step_ms"] == r["plain_step_ms"] and r["verify_ms"] is None
+        assert r["step_cost_ratio"] == pytest.approx(r["step_ms"] / r["plain_step_ms"])
+        assert r["speedup_from_steps"] == pytest.approx(r["mean_accepted"] / r["step_cost_ratio"])
+        assert r["accepted_drafts"] == pytest.approx(r["mean_accepted"] - 1)
     recorded = [r for r in results.load("spec") if not r.get("smoke")]
     assert {P.mode_of(r) for r in recorded} <= {"eager", "graph"}
     for data, smoke in ((rows, True), (recorded, False)):
-        fig, ax = plt.subplots(1, 2)
+        fig, ax = plt.subplots(1, 3)
         P.plot_acceptance(data, smoke=smoke, ax=ax[0])
         P.plot_speedup(data, smoke=smoke, ax=ax[1])
+        P.plot_step_costs(data, smoke=smoke, ax=ax[2])
+        drawn = ax[2].patches or ax[2].texts
+        assert drawn                                   # bars, or the note saying why not
         plt.close(fig)
