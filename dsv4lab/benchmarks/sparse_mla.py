@@ -12,6 +12,14 @@ a CUDA graph (small cases put several calls on rotated inputs into one graph, so
 not served from the L2); the headline cases also record the eager call, host included, as a
 notebook makes it (``mode="eager"``, the op's default checks on). Rows carry the roofline:
 bytes = unique KV rows read once + q + out, flops = 2 B S_q H topk (D + d_v).
+
+Where FlashMLA's sparse FP8 decode is installed and runs on this GPU (dsv4lab/ops/flash_mla.py),
+its rows stand beside the FP8 ones (backend "flash_mla", ``peer_commit`` from its build): the
+CSA layer at B in {1, 8, 32, 64, 128} x S_q in {1, 2} and V3.2's B 64 / S_q 1 and B 128 / S_q 2,
+on the same inputs, each checked against the fp32 reference first (a wrong peer is reported,
+never recorded). The cache is converted to its layout before anything is timed; the graph rows
+replay FlashMLA's own call on it (``call="flash_mla_with_kvcache"``, as its users run it), the
+eager rows the op with ``backend="flash_mla"`` (``call="sparse_mla_decode"``).
 Smoke mode: tiny shapes (Triton's interpreter on the CPU).
 
 Explained in notebooks/01_simt_baseline.ipynb and notebooks/02_mma_attention.ipynb.
@@ -25,6 +33,7 @@ import torch
 from dsv4lab import bench, runtime
 from dsv4lab.kernels.attention import dispatch
 from dsv4lab.kernels.device import props
+from dsv4lab.ops import flash_mla as flash_mla_ops
 from dsv4lab.ops import sparse_mla_decode
 from dsv4lab.quant import pack_kv_fp8
 from dsv4lab.quant.kv_fp8 import ROW_BYTES as FP8_ROW_BYTES
@@ -35,6 +44,7 @@ WINDOW = 128                   # the sliding window's slots
 LAYERS = {"window": (0, 0), "csa": (8192, 512), "hca_128k": (1024, None),
           "hca_1m": (8192, None)}
 V32_TOPK, V32_CONTEXT = 2048, 8192     # DeepSeek-V3.2: topk 2048 of any cached token
+PEER_TOL = dict(atol=2e-2, rtol=2e-2)  # bf16 out against the fp32 reference (lse: 1e-3)
 MIN_CACHE_ROWS = 1 << 18       # >= 256 MB of bf16 cache, so rotated inputs miss the L2
 MAX_ROTATE = 32
 
@@ -139,7 +149,7 @@ def plan(smoke: bool, headline: bool = False) -> dict:
         return dict(heads=16, dim=D, window=8, layers={"csa": (24, 16), "hca_1m": (12, None)},
                     v32=(40, 64), min_rows=0, warmup_ms=1, rep_ms=1,
                     grid=[(1, 1), (2, 2)], v32_grid=[(1, 1)], eager=[(1, 1)], v32_eager=[],
-                    simt=[(1, 1)], torch_user=[(1, 1)])
+                    simt=[(1, 1)], torch_user=[(1, 1)], flash_mla=[], v32_flash_mla=[])
     if headline:
         return dict(plan(False), layers={"csa": LAYERS["csa"]}, grid=[(1, 1), (64, 1)],
                     v32_grid=[(64, 1), (128, 2)])
@@ -148,10 +158,13 @@ def plan(smoke: bool, headline: bool = False) -> dict:
                 grid=[(B, S) for B in (1, 8, 32, 64, 128) for S in (1, 2, 3, 4)],
                 v32_grid=[(B, S) for B in (1, 8, 32, 64, 128) for S in (1, 2)],
                 eager=[(1, 1), (64, 1)], v32_eager=[(64, 1), (128, 2)],
-                simt=[(1, 1), (8, 1), (64, 1)], torch_user=[(1, 1), (8, 1), (64, 1)])
+                simt=[(1, 1), (8, 1), (64, 1)], torch_user=[(1, 1), (8, 1), (64, 1)],
+                flash_mla=[(B, S) for B in (1, 8, 32, 64, 128) for S in (1, 2)],
+                v32_flash_mla=[(64, 1), (128, 2)])
 
 
-@bench.benchmark("sparse_mla", "sparse MLA decode at V4's shapes: MMA (bf16, FP8 KV), SIMT, torch")
+@bench.benchmark("sparse_mla", "sparse MLA decode at V4's shapes: MMA (bf16, FP8 KV), SIMT, torch, "
+                 "FlashMLA where installed")
 def sparse_mla_bench(smoke: bool, headline: bool = False) -> list[dict]:
     """Run the plan on this device (``headline``: its headline cases only); print the headline
     rows; return every row."""
@@ -161,13 +174,23 @@ def sparse_mla_bench(smoke: bool, headline: bool = False) -> list[dict]:
     dev = runtime.device()
     heads, dim, window = p["heads"], p["dim"], p["window"]
     rows = []
+    peer = None                 # FlashMLA's build commit where its rows are measured here
+    if p["flash_mla"] or p["v32_flash_mla"]:
+        why = _flash_mla_unavailable(dev)
+        if why:
+            print(f"no flash_mla rows: {why}")
+        else:
+            peer = flash_mla_ops.peer_commit()
     print(f"{'backend':>10} {'kv':>4} {'shape':>9} {'mode':>5} {'B':>4} {'S_q':>3} {'topk':>5} "
           f"{'us':>9} {'roof us':>8} {'frac':>5}")
 
     def measure(cache, S_q, topk, make_indices, labels, *, eager, backends=("mma",),
-                portable=False):
+                portable=False, flash_mla=False):
         sets = cache.sets(S_q, make_indices)
         B = cache.B
+        if flash_mla and peer is not None:
+            rows.extend(_flash_mla_rows(cache, sets, S_q, topk, labels, eager=eager, p=p,
+                                        commit=peer))
         for kv_fmt in ("bf16", "fp8") if "mma" in backends else ("bf16",):
             kv = cache.kv_fp8 if kv_fmt == "fp8" else cache.kv
             row_bytes = FP8_ROW_BYTES if kv_fmt == "fp8" else dim * 2
@@ -211,7 +234,8 @@ def sparse_mla_bench(smoke: bool, headline: bool = False) -> list[dict]:
                 make = (lambda base, g, S_q=S_q: decode_indices(
                     B, S_q, entries, pick, window=window, base=base, generator=g, device=dev))
                 measure(cache, S_q, topk, make, dict(layer=layer), portable=layer == "csa",
-                        eager=layer == "csa" and (B, S_q) in p["eager"])
+                        eager=layer == "csa" and (B, S_q) in p["eager"],
+                        flash_mla=layer == "csa" and (B, S_q) in p["flash_mla"])
 
     topk, context = p["v32"]
     for B in sorted({b for b, _ in p["v32_grid"] + p["simt"]}):
@@ -224,7 +248,8 @@ def sparse_mla_bench(smoke: bool, headline: bool = False) -> list[dict]:
                 + base[:, None, None]).to(torch.int32).contiguous())
             extra = tuple(n for n in ("simt", "torch_user") if (B, S_q) in p[n])
             measure(cache, S_q, topk, make, dict(shape="v3.2"), eager=(B, S_q) in p["v32_eager"],
-                    backends=("mma",) * ((B, S_q) in p["v32_grid"]) + extra, portable=True)
+                    backends=("mma",) * ((B, S_q) in p["v32_grid"]) + extra, portable=True,
+                    flash_mla=(B, S_q) in p["v32_flash_mla"])
     for r in rows:          # the headline rows: CSA and V3.2 at the eager points, SIMT, torch
         at = p["eager"] if r.get("layer") == "csa" else p["v32_eager"] if r.get("shape") else []
         if (r["B"], r["S_q"]) in at or r["backend"] in ("simt", "torch_user"):
@@ -232,6 +257,69 @@ def sparse_mla_bench(smoke: bool, headline: bool = False) -> list[dict]:
                   f"{r['mode']:>5} {r['B']:>4} {r['S_q']:>3} {r['topk']:>5} {r['ms'] * 1e3:>9.1f} "
                   f"{r['roofline_ms'] * 1e3:>8.1f} {r['roofline_fraction']:>5.2f}")
     print(f"{len(rows)} rows (the headline ones above)")
+    return rows
+
+
+def _flash_mla_unavailable(dev) -> str | None:
+    """Why FlashMLA's rows are not measured on ``dev`` (None: they are)."""
+    from dsv4lab import backends
+    try:
+        backends.resolve("sparse_mla_decode", "flash_mla", fmt="fp8", device=dev)
+    except backends.BackendUnavailable as e:
+        return str(e)
+    return None
+
+
+def peer_mismatch(out, lse, ref, ref_lse, tol=PEER_TOL, lse_tol=1e-3) -> str | None:
+    """How a peer's (out, lse) differs from the fp32 reference's beyond the bf16 tolerance
+    (None: it matches): lse finite exactly where the reference's is."""
+    if out.shape != ref.shape or lse.shape != ref_lse.shape:
+        return f"shapes {tuple(out.shape)} / {tuple(lse.shape)}, want {tuple(ref.shape)} / " \
+               f"{tuple(ref_lse.shape)}"
+    err = (out.float() - ref.float()).abs() - tol["rtol"] * ref.float().abs()
+    if not bool((err <= tol["atol"]).all()):
+        return f"out off by up to {float(err.max()) + tol['atol']:.3g} (atol {tol['atol']})"
+    fin = torch.isfinite(ref_lse)
+    if not torch.equal(fin, torch.isfinite(lse)):
+        return "lse finite where the reference's is not (or the other way round)"
+    if fin.any():
+        e = float((lse[fin] - ref_lse[fin]).abs().max())
+        if e > lse_tol:
+            return f"lse off by {e:.3g}"
+    return None
+
+
+def _flash_mla_rows(cache, sets, S_q, topk, labels, *, eager, p, commit) -> list[dict]:
+    """FlashMLA's rows at one point: checked against the fp32 reference on the first set, then
+    its own call replayed over every set (their inputs prepared in its layout beforehand) and,
+    with ``eager``, the op with backend="flash_mla" as a notebook calls it."""
+    kv, sink, B = cache.kv_fp8, cache.sink, cache.B
+    heads, dim = cache.heads, cache.dim
+    q0, i0 = sets[0]
+    out, lse = sparse_mla_decode(q0, kv, i0, d_v=dim, attn_sink=sink, backend="flash_mla")
+    ref, ref_lse = sparse_mla_decode(q0, kv, i0, d_v=dim, attn_sink=sink, backend="torch")
+    wrong = peer_mismatch(out, lse, ref, ref_lse)
+    del out, lse, ref, ref_lse
+    if wrong:
+        print(f"flash_mla at B {B} S_q {S_q} topk {topk} is WRONG ({wrong}): not recorded")
+        return []
+    preps = [flash_mla_ops.prepare(q, kv, i) for q, i in sets]    # outside the timed region
+    scale = dim ** -0.5
+
+    def all_sets():
+        for (q, _), prep in zip(sets, preps):
+            flash_mla_ops.call(q, prep, sink, scale)
+    all_sets()
+    labels = dict(labels, peer_commit=commit)
+    timing = bench.time_graph(all_sets, warmup_ms=p["warmup_ms"], rep_ms=p["rep_ms"])
+    rows = [_row("flash_mla", "fp8", B, S_q, topk, heads, dim, timing, len(sets), i0,
+                 FP8_ROW_BYTES, mode="graph", call="flash_mla_with_kvcache", **labels)]
+    if eager:
+        timing = bench.time_fn(lambda: sparse_mla_decode(q0, kv, i0, d_v=dim, attn_sink=sink,
+                                                         backend="flash_mla"),
+                               warmup_ms=p["warmup_ms"], rep_ms=p["rep_ms"])
+        rows.append(_row("flash_mla", "fp8", B, S_q, topk, heads, dim, timing, 1, i0,
+                         FP8_ROW_BYTES, mode="eager", call="sparse_mla_decode", **labels))
     return rows
 
 
