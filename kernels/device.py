@@ -1,12 +1,6 @@
-"""What the kernel launchers ask of the device, shared by every kernel family.
-
-- :class:`DeviceProps`: capability, SM count and shared memory per block, read once per
-  device (or the nominal figures of a capability, for planning a GPU one does not have);
-  launchers choose their tiles from these, never from a device's name.
-- :class:`Route`: one line of a family's dispatch table (which kernel runs where, and why).
-- :func:`gluon_unsupported`: whether the installed Triton's Gluon is the one the Gluon
-  kernels are written for.
-"""
+"""What the kernel launchers ask of the device: :class:`DeviceProps` (capability, SMs, shared
+memory a block; launchers choose tiles from these, never from a name), :class:`Route` (a line
+of a dispatch table) and :func:`gluon_unsupported` (is this Triton's Gluon the kernels' one)."""
 from __future__ import annotations
 
 import functools
@@ -22,9 +16,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-# Nominal figures of the GPUs the workbook is written for, by capability: (SM count of the
-# reference part, shared memory a block may opt in to, in bytes). Used where no device is
-# at hand (offline compiles, Triton's interpreter, "what would sm_120 run?").
+# (reference part, SMs, shared memory a block may opt in to) by capability, for planning
+# without the device (offline compiles, "what would sm_120 run?")
 NOMINAL = {
     (8, 0): ("A100", 108, 166912),
     (8, 6): ("RTX A6000", 84, 101376),
@@ -33,7 +26,7 @@ NOMINAL = {
     (10, 0): ("B200", 148, 232448),
     (12, 0): ("RTX PRO 6000", 188, 101376),
 }
-CAPABILITIES = ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0))   # the targets the kernels are checked for
+CAPABILITIES = ((8, 0), (8, 9), (9, 0), (10, 0), (12, 0))   # the targets kernels are checked for
 
 
 @dataclass(frozen=True)
@@ -60,8 +53,7 @@ class DeviceProps:
 
     @classmethod
     def cpu(cls, sm_count: int = 8) -> "DeviceProps":
-        """Triton's interpreter: a small pretend GPU, so that grid logic (split-KV, several
-        programs a row) is exercised on the CPU too."""
+        """Triton's interpreter: a small pretend GPU, so grid logic runs on the CPU too."""
         return cls((0, 0), sm_count, 1 << 30, "cpu")
 
 
@@ -75,8 +67,7 @@ def _cuda_props(index: int) -> DeviceProps:
 
 
 def props(device: torch.device) -> DeviceProps:
-    """:class:`DeviceProps` of ``device`` (read once per CUDA device); the interpreter's
-    :meth:`DeviceProps.cpu` for a CPU tensor."""
+    """:class:`DeviceProps` of ``device`` (read once); :meth:`DeviceProps.cpu` off CUDA."""
     if device.type != "cuda":
         return DeviceProps.cpu()
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -89,8 +80,7 @@ def sm_count(device: torch.device, cpu: int) -> int:
 
 
 def pdl_ok(device: torch.device) -> bool:
-    """Whether a programmatic dependent launch (``griddepcontrol``) is available: a CUDA
-    device of sm_90 or newer, not under Triton's interpreter."""
+    """Whether a programmatic dependent launch is available (sm_90+, not interpreted)."""
     if interpreting() or device.type != "cuda":
         return False
     return props(device).capability >= (9, 0)
@@ -98,12 +88,9 @@ def pdl_ok(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Route:
-    """One line of a kernel family's dispatch table.
-
-    ``capabilities``: the exact GPUs the kernel was compiled and run for (``None``: portable
-    Triton, every GPU Triton supports and the interpreter); ``when``: the shapes, in words;
-    ``why``: one line, naming the benchmark whose rows show it; ``applies(props, **shape)``:
-    the same condition in code (the table and the dispatch cannot drift apart)."""
+    """One line of a dispatch table: ``capabilities`` the kernel was run for (None: portable);
+    ``when`` in words; ``why``, naming the benchmark that shows it; ``applies(props, **shape)``:
+    ``when`` in code (the table and the dispatch cannot drift apart)."""
     kernel: str
     capabilities: frozenset | None
     when: str
@@ -130,9 +117,8 @@ def describe(table: tuple[Route, ...]) -> list[dict]:
                  when=r.when, why=r.why) for r in table]
 
 
-# The Triton releases whose Gluon API the Gluon kernels are written for and were run with.
-# Gluon is experimental and moves between releases (kernels/gluon_compat.py takes the names
-# that moved); on any other release the portable Triton kernels run.
+# The Triton releases the Gluon kernels were written and run for (Gluon moves between
+# releases; gluon_compat.py takes the moved names); elsewhere the portable kernels run.
 GLUON_TRITON = ((3, 6),)
 
 
@@ -148,9 +134,8 @@ def triton_release(version: str | None = None) -> tuple[int, ...]:
 
 
 def gluon_unsupported(version: str | None = None) -> str | None:
-    """None if the installed Triton (or ``version``) is one the Gluon kernels are written for,
-    else why not. ``DSV4LAB_GLUON_ANY_TRITON=1`` lets them try any release (to validate a new
-    one with the GPU tests)."""
+    """None if the Gluon kernels are written for this Triton (or ``version``), else why not.
+    ``DSV4LAB_GLUON_ANY_TRITON=1`` lets them try any release."""
     if version is None:
         import triton
         version = triton.__version__

@@ -11,33 +11,23 @@ For decode row ``r = (b, s)`` and each visible key entry ``j < context_lens[b, s
 The keys live in a paged cache ``k_cache [P, page, D]``: logical entry ``j`` of batch row
 ``b`` sits in physical page ``block_table[b, j // page]`` at offset ``j % page``.
 
-Scoring every position up to the configured maximum context (262,144 c4 entries at 1M
-tokens) and sorting that width costs O(max_context) per step, whatever the request holds.
-The two kernels here cost O(actual length):
+Scoring every position up to the maximum context (262,144 c4 entries at 1M tokens) and
+sorting that width costs O(max_context) a step. The two kernels here cost O(actual length):
 
-1. :func:`logits_kernel`: a FIXED grid of (rows, NUM_SPLITS) programs, chosen from the
-   shapes and the device only (about ``programs_per_sm`` programs per SM in all, so that
-   many tile loads are in flight even for 64 decode rows). Each program reads its row's
-   visible length from ``context_lens`` ON THE DEVICE and walks every NUM_SPLITS-th tile of
-   the row only up to the last visible page (per-page early exit). A tile gathers BLOCK_N
-   keys through the block table (each key row is D contiguous values) and computes
-   ``keys [BLOCK_N, D] @ q^T [D, heads]``. Keys are the dot's M side on purpose: the ReLU,
-   the head weights and the sum over heads then run along each accumulator row, inside a
-   warp, with no cross-warp reduction per tile.
-2. :func:`topk_kernel`: one program per row. A row that sees ``n <= topk`` entries keeps
-   them all: positions 0..n-1, then -1 (no logits read; the logits kernel does not even
-   score such rows when it feeds the top-k). Otherwise a 4-pass radix select over the
-   order-preserving uint32 image of the fp32 logits (8 bits a pass, a 256-bin histogram of
-   the entries that still match the prefix) finds the k-th largest key; a last pass writes
-   every position above it and as many ties as are needed, in position order, compacted
-   with a prefix sum. Every pass reads only the ``n`` visible logits.
+1. :func:`logits_kernel`: a FIXED grid of (rows, NUM_SPLITS) programs, from the shapes and
+   the device only. Each program reads its row's visible length from ``context_lens`` ON THE
+   DEVICE and walks every NUM_SPLITS-th tile up to the last visible page. A tile gathers
+   BLOCK_N keys through the block table and computes ``keys [BLOCK_N, D] @ q^T [D, heads]``:
+   keys on the M side, so the ReLU, head weights and sum over heads stay inside a warp.
+2. :func:`topk_kernel`: one program per row. A row of ``n <= topk`` entries keeps them all
+   (positions 0..n-1, then -1; no logits read or even scored). Otherwise a 4-pass radix
+   select (8 bits a pass, a 256-bin histogram) over the order-preserving uint32 image of the
+   logits finds the k-th largest; a last pass writes every position above it and the ties
+   needed, in position order. Every pass reads only the ``n`` visible logits.
 
-Neither kernel reads a length on the host, allocates by length or changes its grid with
-the data, so one captured CUDA graph serves every context length and block table written
-into the same buffers.
-
-Which dot runs where is :data:`TABLES`; launch configurations come from the device
-(:func:`logits_config`). Explained in notebooks/03_indexer_capping.ipynb.
+Neither kernel reads a length on the host, allocates by length or changes its grid with the
+data: one captured CUDA graph serves every context length. Which dot runs where is
+:data:`TABLES`. Explained in notebooks/03_indexer_capping.ipynb.
 """
 from __future__ import annotations
 
@@ -62,8 +52,7 @@ DOT_NAMES = {DOT_FP8: "fp8", DOT_BF16: "bf16", DOT_FP32: "fp32"}
 
 @triton.jit
 def _e4m3_bits_to_f32(x):
-    """e4m3fn bytes (uint8) -> fp32, for GPUs without an fp8 type (sm_80): the 7 magnitude
-    bits shifted into an fp16 are the value times 2^-8, subnormals included."""
+    """e4m3fn bytes -> fp32 without an fp8 type (sm_80): shifted into an fp16, value * 2^-8."""
     x = x.to(tl.int16)
     h = ((x & 0x80) << 8) | ((x & 0x7F) << 7)
     return h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
@@ -83,7 +72,7 @@ def _tile_dot(k, qt, DOT: tl.constexpr):
 
 @triton.jit
 def _load_qt(q_row, offs_h, offs_c, h_ok, c_ok, stride_qh, DOT: tl.constexpr, Q_U8: tl.constexpr):
-    """q's [H_PAD, Dc] slice, transposed to the dot's [Dc, H_PAD] operand in its dtype."""
+    """q's [H_PAD, Dc] slice as the dot's [Dc, H_PAD] operand."""
     q = tl.load(q_row + offs_h[:, None] * stride_qh + offs_c[None, :],
                 mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     if Q_U8:
@@ -108,8 +97,7 @@ def _score_tile(t, qt, q_row, w, bt_row, k_ptr, ks_ptr, out_row, n, L,
     slot = phys.to(tl.int64) * PAGE + pos % PAGE
     ks = tl.load(ks_ptr + slot, mask=vis, other=0.0)
     if BLOCK_D == D_PAD:
-        # the whole head dim at once: q^T stays resident in the program
-        offs_d = tl.arange(0, D_PAD)
+        offs_d = tl.arange(0, D_PAD)                # the whole head dim: q^T stays resident
         k = tl.load(k_ptr + slot[:, None] * D + offs_d[None, :],
                     mask=vis[:, None] & (offs_d < D)[None, :], other=0.0)
         if K_U8:
@@ -149,12 +137,10 @@ def logits_kernel(
     split = tl.program_id(1)
     b = row // S
     s = row % S
-    # visible entries of this query, read on the device (clamped: never out of bounds)
-    n = tl.load(cl_ptr + b * stride_clb + s * stride_cls)
+    n = tl.load(cl_ptr + b * stride_clb + s * stride_cls)     # visible entries, on the device
     n = tl.minimum(tl.maximum(n, 0), n_bound)
     n_tiles = tl.cdiv(n, BLOCK_N)
-    # rows with n <= skip_upto need no scores (top-k keeps all of them): no tiles
-    n_work = tl.where(n > skip_upto, n_tiles, 0)
+    n_work = tl.where(n > skip_upto, n_tiles, 0)    # top-k keeps all of a short row: no tiles
     out_row = out_ptr + row.to(tl.int64) * L
     offs_n = tl.arange(0, BLOCK_N)
 
@@ -206,8 +192,7 @@ def topk_kernel(logits_ptr, cl_ptr, out_ptr,
     lrow = logits_ptr + row.to(tl.int64) * stride_lr
 
     if n <= TOPK:
-        # every visible entry is kept; no logits read at all
-        for start in range(0, TOPK, FILL):
+        for start in range(0, TOPK, FILL):          # every visible entry kept, no logits read
             o = start + tl.arange(0, FILL)
             tl.store(out_row + o, tl.where(o < n, o, -1), mask=o < TOPK)
     else:
@@ -261,8 +246,7 @@ def _widest(q_dtype, k_dtype) -> int:
     return max(_RANK[q_dtype], _RANK[k_dtype])
 
 
-# The routes, in DOT_* order (dot_path returns a route's position). Shape arguments default
-# to the headline case (e4m3 q and keys), so that choose(table, props) names a kernel too.
+# The routes, in DOT_* order; shape arguments default to e4m3 q and keys.
 LOGITS_ROUTES = (
     Route("logits_kernel, e4m3 x e4m3 dot", None, "q and keys e4m3 on sm_89 and newer",
           "FP8 tensor cores, half the key bytes of bf16 (`dsv4lab bench indexer`, matmul_dtype rows)",
@@ -283,7 +267,7 @@ TABLES = {
 
 
 def dot_path(q_dtype, k_dtype, props: DeviceProps) -> int:
-    """DOT_FP8 / DOT_BF16 / DOT_FP32: the route of :data:`TABLES` these dtypes take on ``props``."""
+    """DOT_FP8 / DOT_BF16 / DOT_FP32: the route these dtypes take on ``props``."""
     return LOGITS_ROUTES.index(choose(LOGITS_ROUTES, props, q_dtype=q_dtype, k_dtype=k_dtype))
 
 
@@ -291,12 +275,8 @@ def dot_path(q_dtype, k_dtype, props: DeviceProps) -> int:
 
 @dataclass(frozen=True)
 class LogitsConfig:
-    """Launch shape of :func:`logits_kernel`.
-
-    ``block_n``: key entries per tile (the dot's M side); ``block_d``: head dims per dot
-    (None: all of them, q^T resident; the fp32 CUDA-core dot takes chunks to stay in
-    registers); ``programs_per_sm``: the grid is (rows, splits) with splits about
-    ``programs_per_sm * SMs / rows``."""
+    """Launch shape of :func:`logits_kernel`: ``block_n`` keys a tile; ``block_d`` head dims a
+    dot (None: all, q^T resident); ``programs_per_sm``: splits = about that * SMs / rows."""
     block_n: int
     block_d: int | None
     num_warps: int
@@ -304,8 +284,7 @@ class LogitsConfig:
     programs_per_sm: int
 
 
-# Measured best on a GPU (`tools/tune_indexer.py` prints such an entry), by capability and
-# (dot, key dtype); a capability not listed takes the portable rule of logits_config.
+# Measured best (tools/tune_indexer.py prints such entries), by capability and (dot, key dtype)
 TUNED = {
     (9, 0): {("fp8", "*"): LogitsConfig(128, None, 4, 2, 8),
              ("bf16", "fp8"): LogitsConfig(64, None, 4, 4, 12),
@@ -318,11 +297,8 @@ _SMEM_SLACK = 16 * 1024          # layout conversions and reductions beside the 
 
 def logits_config(dot: int, k_dtype, props: DeviceProps, *, head_dim: int = 128,
                   heads: int = 64) -> LogitsConfig:
-    """The launch configuration of ``dot`` with keys of ``k_dtype`` on ``props``.
-
-    A :data:`TUNED` entry for the capability if there is one; else 128-entry tiles for the
-    e4m3 dot, 64 otherwise, and as many pipeline stages (up to 2 for e4m3, 3 for bf16) as
-    the device's shared memory per block holds next to q^T."""
+    """The launch configuration of ``dot`` with ``k_dtype`` keys on ``props``: :data:`TUNED`'s,
+    else 128-key tiles for e4m3 (64 else) and the stages shared memory holds beside q^T."""
     tuned = TUNED.get(props.capability, {})
     name = DOT_NAMES[dot]
     cfg = tuned.get((name, _KEY_NAMES[k_dtype])) or tuned.get((name, "*"))
@@ -343,9 +319,8 @@ def _pow2(x) -> bool:
 
 
 def check_config(cfg: LogitsConfig, dot: int) -> None:
-    """ValueError unless ``cfg`` compiles for ``dot`` on every CUDA target: power-of-two
-    blocks (``tl.arange``), tiles of at least 16 entries, and a head-dim chunk of at least
-    16 (32 for the 8-bit dot), the smallest K side of NVIDIA's ``tl.dot``."""
+    """ValueError unless ``cfg`` compiles for ``dot`` on every CUDA target (``tl.arange``'s
+    powers of two, ``tl.dot``'s smallest sides)."""
     if not (_pow2(cfg.block_n) and cfg.block_n >= 16):
         raise ValueError(f"config block_n: expected a power of two >= 16, got {cfg.block_n!r}")
     min_k = 32 if dot == DOT_FP8 else 16
@@ -361,12 +336,8 @@ def check_config(cfg: LogitsConfig, dot: int) -> None:
 
 
 def logits_splits(rows: int, L: int, block_n: int, programs_per_sm: int, sm_count: int) -> int:
-    """Programs per row of the logits kernel: about ``programs_per_sm`` per SM in all.
-
-    Fixed by the shapes and the device (never by ``context_lens``). Rounded down: a grid just
-    past a multiple of the resident programs would add a nearly empty last wave. L enters only
-    through the cap at ``cdiv(L, block_n)`` tiles, which stops binding once
-    ``L >= block_n * programs_per_sm * sm_count // rows``."""
+    """Programs per row of the logits kernel: about ``programs_per_sm`` per SM in all, from
+    the shapes only (rounded down: no nearly empty last wave), at most one a tile of L."""
     return max(1, min(triton.cdiv(L, block_n), programs_per_sm * sm_count // rows))
 
 
@@ -384,8 +355,7 @@ class Plan:
 def logits_plan(props: DeviceProps, interpreted: bool, rows: int, S: int, H: int, D: int,
                 page: int, max_pages: int, L: int, q_dtype, k_dtype, fill_tail: bool,
                 config: LogitsConfig | None = None) -> Plan:
-    """The launch of :func:`logits_kernel` for these shapes on ``props`` (``interpreted``:
-    Triton's interpreter runs it: small tiles, and every dot in fp32)."""
+    """The launch of :func:`logits_kernel` on ``props`` (``interpreted``: small tiles, fp32)."""
     dot = dot_path(q_dtype, k_dtype, props)
     bytes_in = props.is_gpu and props.capability < (8, 9)   # no e4m3 type in Triton there
     if config is None:
@@ -426,8 +396,7 @@ _TOPK: dict = {}
 
 def _logits_launch(q, k_cache, weights, block_table, context_lens, L, fill_tail, skip_upto,
                    config, props):
-    """(plan, Launch) of :func:`logits_kernel` for these arguments' shapes and strides, made
-    once (:func:`logits_plan`, :class:`~dsv4lab.kernels.launch.Launch`)."""
+    """(plan, Launch) of :func:`logits_kernel` for these shapes and strides, made once."""
     key = (q.device, q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.dtype,
            weights.stride(), block_table.shape, block_table.stride(0), context_lens.stride(),
            L, fill_tail, skip_upto, config, props)
@@ -475,14 +444,9 @@ def _launch_logits(q, k_cache, k_scale, weights, block_table, context_lens, out,
 
 def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *, out=None,
                    config: LogitsConfig | None = None, props: DeviceProps | None = None):
-    """Logits [B, S_q, L] fp32, -inf beyond each query's visible length.
-
-    Inputs as :func:`dsv4lab.ops.indexer_logits` (checked there). Writes every one of the L
-    columns (the -inf tail too), so its cost has an O(L) store part. ``out``: a preallocated
-    fp32 [B, S_q, L] to write into; ``config``: a launch shape instead of the device's
-    (the tuner's sweep); ``props``: plan for another device than q's (tests: the sm_80
-    byte path in the interpreter).
-    """
+    """Logits [B, S_q, L] fp32, -inf beyond each query's visible length (all L columns: an
+    O(L) store). Inputs as :func:`dsv4lab.ops.indexer_logits`. ``out``: fp32 [B, S_q, L] to
+    write into; ``config``: instead of the device's; ``props``: plan for another device."""
     B, S = q.shape[:2]
     if out is None:
         out = torch.empty((B, S, L), dtype=torch.float32, device=q.device)
@@ -494,14 +458,9 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, L, *
 def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, topk, *,
                  scratch=None, config: LogitsConfig | None = None,
                  props: DeviceProps | None = None):
-    """Top-``topk`` logical positions int32 [B, S_q, topk], -1 padded; O(actual length).
-
-    The logits go to an uninitialised [B, S_q, L] fp32 ``scratch`` (one to reuse, e.g. shared
-    by several captured graphs; else allocated) of which only the visible prefix of rows with
-    more than ``topk`` entries is written and read. The grids depend on shapes only and
-    nothing reads back to the host: capturable in a CUDA graph. ``config``, ``props``: as
-    :func:`indexer_logits`.
-    """
+    """Top-``topk`` logical positions int32 [B, S_q, topk], -1 padded; O(actual length), CUDA
+    graph capturable. ``scratch``: fp32 [B, S_q, L] for the logits (uninitialised; only the
+    visible prefix is used); ``config``, ``props``: as :func:`indexer_logits`."""
     B, S = q.shape[:2]
     # the result first: its place in the allocator's pool must not depend on L's scratch
     out = torch.empty((B, S, topk), dtype=torch.int32, device=q.device)
@@ -532,11 +491,8 @@ def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, top
 def check_tables_kernel(bt_ptr, cl_ptr, safe_ptr, flag_ptr, S, MAXP, P, L, n_bound,
                         stride_btb, stride_clb, stride_cls, slot, stamp,
                         PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Row ``program_id(0)``'s block-table entries ``program_id(1) * BLOCK_P ..`` into the
-    copy the kernels read (clamped into [0, P): no read outside the cache), and
-    ``flags[slot]`` raised to ``2 * stamp + bad``: bad if a context length is outside
-    [0, L] or an entry of a visible page (one holding an entry below the row's longest
-    context) is not a page id."""
+    """The block table clamped into [0, P) for the kernels; ``flags[slot]`` raised to ``2 *
+    stamp + bad``: bad for a context length outside [0, L] or a visible entry no page id."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -561,10 +517,8 @@ _CHECKS: dict = {}
 
 def check_tables(block_table, context_lens, P: int, page: int, L: int, flags, slot: int,
                  stamp: int):
-    """Launch the value check of ``block_table`` [B, max_pages] and ``context_lens`` [B, S_q]
-    (int32) against a cache of P pages of ``page`` entries and L columns -> the block table
-    the kernels should read (a contiguous copy, the stream's workspace). ``flags, slot, stamp``: the call's
-    :func:`~dsv4lab.kernels.launch.value_check`."""
+    """Launch the check of ``block_table`` and ``context_lens`` -> the block table the kernels
+    should read (``flags, slot, stamp``: the call's :func:`~dsv4lab.kernels.launch.value_check`)."""
     B, maxp = block_table.shape
     S = context_lens.shape[1]
     key = (block_table.device, B, maxp, block_table.stride(), S, context_lens.stride(), P,
@@ -588,10 +542,8 @@ def check_tables(block_table, context_lens, P: int, page: int, L: int, flags, sl
 @triton.jit(do_not_specialize=["slot", "stamp"])
 def cache_slots_kernel(idx_ptr, bt_ptr, out_ptr, flag_ptr, n_row, MAXP, stride_btb, slot,
                        stamp, PAGE: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
-    """Logical positions of row ``program_id(0)`` -> flat cache slots
-    ``block_table[b, pos // PAGE] * PAGE + pos % PAGE`` (-1, and any position outside
-    [0, MAXP * PAGE), -> -1); ``CHECK``: ``flags[slot]`` raised to ``2 * stamp + bad``, bad
-    if a position is outside [-1, MAXP * PAGE)."""
+    """Logical positions -> flat cache slots (outside [0, MAXP * PAGE): -1); ``CHECK``:
+    ``flags[slot]`` raised to ``2 * stamp + bad``, bad for one outside [-1, MAXP * PAGE)."""
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_row
@@ -611,8 +563,7 @@ _SLOTS: dict = {}
 
 
 def cache_slots(indices, block_table, page_size: int, check=None):
-    """:func:`dsv4lab.ops.to_cache_slots` in one launch: indices [B, S_q, topk] (int32 or
-    int64, contiguous), block_table int32 [B, max_pages] -> int32 slots. ``check``: the call's
+    """:func:`dsv4lab.ops.to_cache_slots` in one launch -> int32 slots. ``check``: the call's
     ``(flags, slot, stamp)`` (:func:`~dsv4lab.kernels.launch.value_check`), or None."""
     B = indices.shape[0]
     n_row = indices.numel() // max(1, B)
@@ -639,8 +590,7 @@ _TYPES = {FP8: "*fp8e4nv", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 
 
 def _case(name, fn, meta, ptrs, ints, out_ptr="*fp32") -> Case:
-    """A launch as Triton specialises it: ints equal to 1 become constants, ints divisible
-    by 16 get the divisibility hint, like 16-byte aligned pointers."""
+    """A launch as Triton specialises it: ints of 1 constants, multiples of 16 aligned."""
     consts = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
     consts.update({k: 1 for k, v in ints.items() if v == 1})
     aligned = ("*",) + tuple(k for k, v in ints.items() if v != 1 and v % 16 == 0)
@@ -649,9 +599,8 @@ def _case(name, fn, meta, ptrs, ints, out_ptr="*fp32") -> Case:
 
 
 def offline_cases(props: DeviceProps) -> list[Case]:
-    """The launches "auto" makes on ``props`` at DeepSeek-V4-Flash's indexer shape (64 heads x
-    128 dims, pages of 64, 1M tokens of max context = 262,144 entries), top-512, for B 1 and
-    64 (top-k) and B 64 (logits), with e4m3, bf16 and fp32 operands."""
+    """The launches "auto" makes on ``props`` at V4-Flash's indexer shape (64 heads x 128,
+    pages of 64, 262,144 entries, top-512), B 1 and 64, e4m3, bf16 and fp32 operands."""
     H, D, page, L, topk = 64, 128, 64, 262144, 512
     pairs = [(FP8, FP8), (torch.bfloat16, FP8), (torch.bfloat16, torch.bfloat16),
              (torch.float32, torch.float32)]

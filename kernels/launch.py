@@ -1,31 +1,22 @@
 """Launching Triton kernels with the least host work, and value checks that cost one read.
 
-Why. A JIT launch, ``kernel[grid](*args, **kw)``, binds every argument, asks each one's
-specialisation (a pointer's dtype and 16-byte alignment; an int equal to 1, divisible by 16,
-32- or 64-bit), builds the compile cache's key and looks it up, on every call: about 35 us of
-host time for 30 arguments on the H200's host, three times a tiny torch op. The compiled
-kernel that lookup finds has its own launcher, which takes the arguments as they are (about
-11 us there). A decode call of a few launches is host-bound by that difference.
+Why. A JIT launch, ``kernel[grid](*args)``, specialises every argument and looks up the
+compile cache on every call: several times the host time of the compiled kernel's own
+launcher, and a decode call of a few launches is host-bound by that (eager rows: dsv4lab
+bench sparse_mla).
 
-:class:`Launch` is one launch of a launch plan: a kernel, its grid, the arguments fixed by the
-plan (ints that follow from the shapes, constexprs) and the launch options. Its first call
-goes through the JIT and keeps the compiled kernel the JIT returns; later calls merge the
-per-call arguments (tensors, floats, and ints the kernel does not specialise on) with the
-fixed ones, in the kernel's order, and hand them to the compiled kernel's launcher. The
-per-call tensors' dtypes and alignment are the rest of the JIT's key, so a call whose tensors
-differ from the first call's in either goes through the JIT again (which compiles or finds
-the matching kernel); so does a call on another current device, or with Triton's launch
-hooks set (a profiler). Under Triton's interpreter every call is a JIT call.
+:class:`Launch`: one launch of a plan (kernel, grid, the arguments the plan fixes, options).
+Its first call goes through the JIT and keeps the compiled kernel; later calls merge the
+per-call arguments with the fixed ones and call its launcher directly. A call whose tensors'
+dtypes or alignment differ from the first call's, on another device, with launch hooks set
+(a profiler) or under the interpreter goes through the JIT.
 
-:func:`workspace`: buffers a plan's launches pass to each other within one call (split-KV
-partials, counters), kept per (plan, device, stream): calls on one stream run in order, so
-a buffer is never in use by two calls at once; while a CUDA graph is being captured they are
-allocated afresh (the graph keeps its own). Outputs are never cached.
+:func:`workspace`: buffers a plan's launches share within one call, kept per (plan, device,
+stream) (calls on one stream run in order); fresh while a CUDA graph is captured.
 
-:func:`value_check`: a slot of a per-(device, stream) ring of int32 flags and a stamp for
-one call's check kernel, which writes ``2 * stamp + bad`` there with an atomic max (so no
-launch zeroes the flag); :meth:`Verdict.failed` reads it back: the call's one host sync,
-after its kernels were launched, so that it overlaps their run.
+:func:`value_check`: a slot of a per-(device, stream) ring of int32 flags and a stamp; the
+check kernel writes ``2 * stamp + bad`` with an atomic max (no launch zeroes the flag), and
+:meth:`Verdict.failed` reads it after the kernels: the call's one host sync.
 """
 from __future__ import annotations
 
@@ -36,10 +27,8 @@ import triton
 
 from dsv4lab.kernels.device import interpreting
 
-# ----------------------------------------------------------------------------------------
-# The current stream and device, as the JIT reads them
-# ----------------------------------------------------------------------------------------
 
+# ---- the current stream and device, as the JIT reads them ---------------------------------
 
 def stream_of(device: torch.device) -> int:
     """The raw handle of ``device``'s current CUDA stream (0 for a CPU tensor)."""
@@ -64,14 +53,10 @@ _RUNTIME_KNOBS = triton.knobs.runtime
 _TENSOR = torch.Tensor      # what a per-call tensor argument is (tests use stand-ins)
 
 
-# ----------------------------------------------------------------------------------------
-# One launch of a plan
-# ----------------------------------------------------------------------------------------
-
+# ---- one launch of a plan ------------------------------------------------------------------
 
 def kernel_params(kernel) -> list[tuple[str, bool, object]]:
-    """(name, is_constexpr, default) of each parameter of a triton.jit / gluon.jit kernel
-    (or of the kernel a stand-in's ``fn`` names, as the MoE family's offline recorder)."""
+    """(name, is_constexpr, default) of each parameter of a jit kernel (or a stand-in's ``fn``)."""
     k = kernel
     while not hasattr(k, "arg_names") and hasattr(k, "fn"):
         k = k.fn
@@ -86,18 +71,11 @@ def kernel_params(kernel) -> list[tuple[str, bool, object]]:
 
 
 class Launch:
-    """One launch of a plan: ``Launch(kernel, grid, fixed, device=..., **options)``, then
-    ``launch(*per_call)``.
-
-    ``fixed``: the value of every parameter that the plan fixes (its ints and constexprs; a
-    constexpr not named takes its default); the remaining parameters, in the kernel's order,
-    are the per-call arguments. A per-call int must be one the kernel does not specialise on
-    (``do_not_specialize``) and stay within int32. ``options``: the launch options of the JIT
-    call (num_warps, num_stages, launch_pdl, maxnreg). ``jit_context``: a context manager
-    factory the JIT calls run inside (the L2 hint's compile hook). ``guard``: the positions of
-    the per-call tensors whose dtype and alignment each fast launch checks (default: all of
-    them); a launcher leaves out the buffers it allocates itself (always 16-byte aligned, of
-    the plan's dtype), as each check costs host time."""
+    """``Launch(kernel, grid, fixed, device=..., **options)``, then ``launch(*per_call)``.
+    ``fixed``: the parameters the plan fixes (an unnamed constexpr takes its default); the rest,
+    in order, are per-call (ints: ``do_not_specialize``, int32). ``jit_context``: a context
+    factory for the JIT calls (l2_hint's). ``guard``: the per-call tensors whose dtype and
+    alignment a fast launch checks (default: all; a launcher leaves out its own buffers)."""
 
     __slots__ = ("kernel", "grid", "options", "device", "jit_context", "names", "fixed_values",
                  "merge", "compiled", "tensors", "dev_index", "n_call", "on_gpu", "n_positional",
@@ -131,8 +109,7 @@ class Launch:
                 n_call += 1
         self.fixed_values = tuple(values)
         self.n_call = n_call
-        # the JIT call passes the parameters before the first constexpr by position and the
-        # rest by name, as a hand-written ``kernel[grid](...)`` call does
+        # positional up to the first constexpr, then by name, as a hand-written call does
         consts = [i for i, (_, const, _) in enumerate(params) if const]
         self.n_positional = consts[0] if consts else len(params)
         # the kernel's full argument tuple from (per-call args, fixed values), in its order
@@ -184,8 +161,7 @@ class Launch:
 
 
 def planned(table: dict, key, device: torch.device, make):
-    """``table[key]``, made by ``make()`` on first use; never kept for a meta device (the
-    offline compiles, whose kernels are stand-ins)."""
+    """``table[key]``, made by ``make()`` on first use; never kept for a meta device."""
     value = table.get(key)
     if value is None:
         value = make()
@@ -194,9 +170,7 @@ def planned(table: dict, key, device: torch.device, make):
     return value
 
 
-# ----------------------------------------------------------------------------------------
-# Workspaces: buffers that live within one call
-# ----------------------------------------------------------------------------------------
+# ---- workspaces: buffers that live within one call -----------------------------------------
 
 _WORKSPACES: dict = {}
 WORKSPACE_MAX_BYTES = 32 << 20      # a larger buffer is allocated per call (its kernels dominate)
@@ -204,9 +178,8 @@ WORKSPACE_MAX_ENTRIES = 256
 
 
 def workspace(key, device: torch.device, make):
-    """``make()`` (a tensor or a tuple of tensors, or Nones, that one call's launches share), kept per
-    (``key``, device, current stream) on a GPU or the CPU; made afresh while a CUDA graph is
-    being captured, on other devices (meta) and above :data:`WORKSPACE_MAX_BYTES`."""
+    """``make()`` (tensors one call's launches share), kept per (``key``, device, stream) on a
+    GPU or the CPU; fresh while a graph is captured, on a meta device and above the max bytes."""
     if device.type == "cuda":
         if torch._C._cuda_isCurrentStreamCapturing():
             return make()
@@ -234,9 +207,7 @@ def _nbytes(obj) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------------------
-# Value checks: one flag word a call, read once
-# ----------------------------------------------------------------------------------------
+# ---- value checks: one flag word a call, read once -----------------------------------------
 
 RING = 64                 # flag slots per (device, stream): a slot is reused 64 calls later
 STAMP_LIMIT = 1 << 29     # 2 * stamp + 1 stays an int32; the ring restarts there
@@ -262,15 +233,12 @@ class Verdict:
         self.view, self.stamp = view, stamp
 
     def failed(self) -> bool:
-        """Whether the check kernel found a bad value (also True if its flag does not hold
-        this call's stamp, which only a kernel that did not run leaves: the caller's full
-        check then decides)."""
+        """Whether the check found a bad value (or did not run: the caller's full check then)."""
         return self.view.item() != 2 * self.stamp
 
 
 def value_check(device: torch.device) -> tuple[torch.Tensor, int, int, Verdict]:
-    """``(flags, slot, stamp, verdict)`` for one call's check kernel on ``device``'s current
-    stream: the kernel does ``atomic_max(flags + slot, 2 * stamp + bad)``."""
+    """``(flags, slot, stamp, verdict)`` for one call's check on ``device``'s current stream."""
     key = (device.type, device.index, stream_of(device))
     ring = _RINGS.get(key)
     if ring is None:

@@ -2,44 +2,27 @@
 The linear family: ``y = x @ w^T`` for a decode step's few rows, in ONE launch
 ===============================================================================
 
-Two lessons, in order:
-
 1. :func:`linear_kernel`: float weights (x's dtype), 1..8 rows, fp32 multiply-adds.
 2. :func:`fp8_linear_kernel`: DeepSeek-V4's released dense weights, float8 e4m3 with one
    power-of-two scale per 128 x 128 block, any row count, on the tensor cores.
 
 1. Small-M float weights
 ------------------------
-A decode step of a small model multiplies 1 to a few rows (tokens) by many small weight
-matrices. Every such product is latency-bound: what a step pays is the number of kernels
-and how long each one waits on memory. cuBLAS picks its algorithm by M: at one row a GEMV
-(one kernel); at 2..3 rows, the verify step of speculative decoding, a GEMM plus a split-K
-reduce (two kernels, each slower than the GEMV), and the two shapes round differently.
+A small model's decode step multiplies a few rows by many small weights: latency-bound, it
+pays per kernel and per memory wait. cuBLAS picks by M: a GEMV at one row, at 2..3 rows (a
+speculative verify step) a GEMM plus a split-K reduce, two slower kernels that round
+differently. Here every M in 1..8 runs one kernel:
 
-Here every M in 1..8 runs the same kernel:
+- a program per ``BLOCK_N`` output columns (a fixed grid, no split-K) walks K, loads each
+  ``[BLOCK_N, BLOCK_K]`` weight tile ONCE for all ``BLOCK_M = 8`` rows of x (rows past M read
+  as zeros) and sums an fp32 tile of products over K at the end;
+- fp32 multiply-adds on upcast operands, no ``tl.dot``: 8 rows fill no tensor core;
+- more than 8 rows run as blocks of 8 in the same program: correct, not fast.
 
-- one program per ``BLOCK_N`` output columns (a fixed grid, no split-K, no atomics);
-- the program walks K in ``BLOCK_K`` steps, loads its ``[BLOCK_N, BLOCK_K]`` weight tile
-  ONCE and multiplies it with all ``BLOCK_M = 8`` rows of x at the same time (rows past M
-  read as zeros), accumulating a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` fp32 tile of products;
-- one reduction over the ``BLOCK_K`` lanes at the end gives ``[BLOCK_M, BLOCK_N]``, stored
-  in x's dtype;
-- more than 8 rows run as blocks of 8, one after the other in the same program: correct,
-  not fast (:func:`dsv4lab.ops.linear`'s "auto" sends only 1..8 rows here).
-
-The math is fp32 multiply-adds on upcast operands, no ``tl.dot``: with at most 8 rows there
-is nothing for a tensor core to fill, the upcast is exact, and the interpreter's bf16
-``tl.dot`` problem cannot arise.
-
-Row independence, which speculative decoding needs: the compiled kernel and its tiles
-depend only on the weight's shape and the device, never on M or on where x lies (``M``,
-x's address and row stride are not specialised). Each output element is the same sequence
-of fp32 operations over its row of x whatever the other rows hold, so row i of an M = 3 call
-equals the M = 1 call on that row bit for bit: a plain decode step (1 row) and a verify step
-(1 + k rows) agree exactly.
-
-Fixed grid, no host synchronisation: safe inside CUDA-graph capture.
-Explained in notebooks/05_mtp_speculative.ipynb.
+Row independence, which speculative decoding needs: the kernel and its tiles depend only on
+the weight and the device, never on M or x's address or stride (not specialised), so row i
+of an M = 3 call equals the M = 1 call on that row bit for bit. No host synchronisation:
+CUDA-graph safe. Explained in notebooks/05_mtp_speculative.ipynb.
 """
 from __future__ import annotations
 
@@ -57,10 +40,8 @@ BLOCK_M = 8                 # rows per block: M <= 8 is one pass over the weight
 ACC_ELEMS = 1024            # BLOCK_N * BLOCK_K (times BLOCK_M = 8192 fp32 accumulators)
 NUM_WARPS = 4
 
-# Nothing about x may change the compiled kernel: not the row count (M = 1 would otherwise
-# be specialised as a constant) and not x's address or row stride (16-byte alignment would
-# otherwise pick other load layouts). x is at most 8 rows: unvectorised loads of it cost
-# nothing. (do_not_specialize_on_alignment is newer than some Triton releases.)
+# Nothing about x may change the compiled kernel: not M (1 would become a constant), not x's
+# address or stride (alignment picks load layouts; x's plain loads cost nothing at 8 rows).
 _X_ARGS = ["M", "x_ptr", "stride_xm"]
 _JIT_KW = {"do_not_specialize": _X_ARGS}
 if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
@@ -97,13 +78,8 @@ def linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
 
 
 def tile_config(N: int, K: int, props: DeviceProps) -> dict:
-    """``BLOCK_N``, ``BLOCK_K``, ``STAGES`` for a weight of shape [N, K] on ``props``.
-
-    A function of the weight and the device only (never of M): every row count runs the
-    same compiled kernel. ``BLOCK_N``: the largest of 16, 8, 4 that still gives at least one
-    program per SM (4 when N is too small for that); ``BLOCK_K``: up to
-    ``ACC_ELEMS // BLOCK_N``, no wider than K needs; the K loop pipelined when it is long.
-    """
+    """``BLOCK_N``, ``BLOCK_K``, ``STAGES`` for an [N, K] weight on ``props``, never of M:
+    BLOCK_N the largest of 16, 8, 4 that gives a program per SM, BLOCK_K up to ACC_ELEMS."""
     block_n = 4
     for bn in (16, 8):
         if triton.cdiv(N, bn) >= props.sm_count:
@@ -116,14 +92,8 @@ def tile_config(N: int, K: int, props: DeviceProps) -> dict:
 
 def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            props: DeviceProps | None = None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T -> [M, N]`` in x's dtype (fp32 accumulation).
-
-    Made for M <= 8 (one pass over the weights); more rows run in blocks of 8, each block
-    re-reading the program's weight tile (from L2): correct, row-independent, not fast.
-    x and w: same float dtype and device, unit stride along K (:func:`dsv4lab.ops.linear`
-    checks and prepares them). ``out`` (optional, [M, N], x's dtype, unit stride along N)
-    receives the result; ``props`` plans for another device than x's.
-    """
+    """``x [M, K] @ w [N, K]^T -> [M, N]`` in x's dtype (fp32 accumulation), made for M <= 8.
+    :func:`dsv4lab.ops.linear` checks the operands; ``props`` plans for another device."""
     M, K = x.shape
     N = w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -140,42 +110,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     return y
 
 
-# ====================================================================================
-# 2. FP8 block-scaled weights
-# ====================================================================================
-#
-# The released checkpoint stores every dense projection as e4m3 bytes with one power-of-two
-# scale per 128 x 128 block: half the bytes of bf16. At decode sizes the product is a
-# stream over those bytes (a step reads each weight once for a handful of rows), so the
-# kernel's job is to read every byte once, at full bandwidth, and turn it into math on the
-# way:
-#
-# - a program owns BLOCK_N weight rows (inside one group and one 128-row scale block) and
-#   BLOCK_M rows of x, and walks its part of K one scale block (BLOCK_K = 128 columns) at a
-#   time: it loads the [BLOCK_N, 128] e4m3 tile, converts it to fp16 in registers (exact:
-#   every e4m3 value is an fp16 value), multiplies it with the x tile on the tensor cores
-#   (``tl.dot``, fp32 accumulation), and applies the block's scale to that partial sum,
-#   not to each weight;
-# - the weight is operand A and x operand B (``[BLOCK_N, 128] @ [128, BLOCK_M]``): the
-#   tensor core's 16-row minimum falls on x, so a single row pads 16 columns of x, never
-#   the weights;
-# - x in bf16 goes to fp16 too: each column (row of x) of the tile is first multiplied by
-#   a power of two that puts its largest value near 2^14, which makes the conversion exact
-#   for every value within 2^29 of that largest (smaller ones round at about 2^-38 of it),
-#   and the power is divided back out with the block scale; x in fp32 keeps an fp32 dot.
-#   x is not rounded to e4m3 (DeepGEMM's W8A8 form): at decode sizes the bytes, not the
-#   tensor cores, set the time, and y stays within fp32 rounding of the reference
-#   (`dsv4lab bench linear` times the W8A8 form as its scaled_mm rows);
-# - too few output tiles to fill the GPU (one row, narrow N: q_a, kv, the indexer) split K
-#   across ``split`` programs: each writes its fp32 partial tile, takes a ticket from the
-#   tile's counter (an atomic), and the last to arrive sums the partials in split order,
-#   stores y and sets the counter back to zero. One launch, deterministic;
-# - Triton has no e4m3 type before sm_89: there the launcher passes the bytes as uint8 and
-#   the kernel moves the bits into an fp16 (the same value times 2^-8, folded into the
-#   block scale); the interpreter runs both paths, the bytes one by default.
-#
-# The tiles depend on M only through BLOCK_M (16 for 1..16 rows): a plain decode step and a
-# verify step run the same compiled kernel, and each row's result is the same bits.
+# ================================================================ 2. FP8 block-scaled weights
+# The checkpoint's dense projections: e4m3 bytes, a power-of-two scale per 128 x 128 block.
+# At decode sizes the product is a stream over those bytes, each read once:
+# - a program owns BLOCK_N weight rows (one group, one scale block) and BLOCK_M rows of x and
+#   walks K a scale block at a time: e4m3 -> fp16 in registers (exact), ``tl.dot`` with the
+#   weight as operand A (the 16-row minimum pads x, not the weights), the block's scale on
+#   the partial sum;
+# - bf16 x goes to fp16 with each column scaled by a power of two putting its largest value
+#   near 2^14 (exact within 2^29 of it), undone with the block scale; fp32 x, an fp32 dot.
+#   x is not rounded to e4m3 (the W8A8 form: `dsv4lab bench linear`'s scaled_mm rows);
+# - too few output tiles (one row, narrow N) split K: each program writes an fp32 partial and
+#   takes a ticket; the last sums the partials in split order and resets the counter;
+# - before sm_89 (no e4m3 type) the bytes go in as uint8, moved into an fp16 (times 2^-8).
+# M counts only through BLOCK_M (16 for 1..16 rows): decode and verify steps agree bit for bit.
 
 FP8_BLOCK = 128             # rows and columns one weight scale covers (DeepSeek-V4's)
 FP8_NATIVE = (8, 9)         # the first capability with an e4m3 type (hardware conversion)
@@ -189,9 +137,8 @@ FP8_TILES = {               # BLOCK_N weight rows by BLOCK_M x rows a program
 
 @triton.jit
 def _weights_f16(w):
-    """e4m3 weights as fp16: the hardware conversion of the e4m3 type; raw bytes (uint8)
-    moved bit by bit into an fp16 (sign; exponent and mantissa one place lower), which
-    is the same value times 2^-8 (subnormals included)."""
+    """e4m3 weights as fp16: the hardware conversion, or raw bytes (uint8) moved bit by bit
+    into an fp16, the value times 2^-8."""
     if w.dtype == tl.uint8:
         b = w.to(tl.uint16)
         return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
@@ -214,9 +161,8 @@ def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
                       stride_ym, kb_per_split, split,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       STAGES: tl.constexpr):
-    """x [M, groups * K], w [N, K] (e4m3 or its bytes), s [cdiv(N, 128), cdiv(K, 128)],
-    y [M, N]; group g (weight rows g * rows_per_group ...) reads x's columns g * K ....
-    Program (n tile, m tile, k split); unit stride along K and N."""
+    """x [M, groups * K], w [N, K] (e4m3 or bytes), s [N / 128, K / 128] -> y [M, N]; group g
+    reads x's columns g * K ... Program (n tile, m tile, k split)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -275,11 +221,8 @@ def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr,
 @functools.lru_cache(maxsize=1024)
 def fp8_config(N: int, K: int, rows: int, props: DeviceProps, rows_per_group: int | None = None,
                x_bytes: int = 2) -> dict:
-    """The tiles, split and pipeline depth of an [N, K] FP8 weight times ``rows`` rows of x
-    (``x_bytes`` an element) on ``props``: the route of ``TABLES["linear_fp8"]`` picks the tile set; BLOCK_N halves until
-    it divides ``rows_per_group``; SPLIT gives about :data:`PROGRAMS_PER_SM` programs an SM;
-    STAGES shrinks where the device's shared memory per block would not hold them. Depends
-    on ``rows`` only through BLOCK_M (the same for 1..16 rows). Cached: do not modify it."""
+    """Tiles, split and stages of an [N, K] FP8 weight times ``rows`` rows on ``props`` (tile
+    set: ``TABLES["linear_fp8"]``; STAGES fit shared memory). Cached: do not modify it."""
     route = choose(TABLES["linear_fp8"], props, rows=rows)
     cfg = dict(FP8_TILES["decode" if "decode" in route.kernel else "prefill"])
     cfg.setdefault("BLOCK_M", max(16, triton.next_power_of_2(rows)))
@@ -308,11 +251,8 @@ GRAPH_COUNTER_POOL = 1 << 20
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` zeroed split-K counters (each launch leaves its counters zero again). Eager
-    launches on one stream run in order and share that stream's; a launch captured in a CUDA
-    graph takes counters of its own from the device's pool (zeroed when the first eager call
-    made it), so graphs never share counters with each other or with eager calls; with the
-    pool absent or used up, fresh ones, whose zeroing the graph captures."""
+    """``n`` zeroed split-K counters (launches leave them zero): a stream's own for eager
+    launches; a captured launch's own from the device's pool (or fresh, zeroed in-graph)."""
     index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         pool = _GRAPH_COUNTERS.get(index)
@@ -339,15 +279,9 @@ def _unused(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, groups: int = 1,
                out: torch.Tensor | None = None, props: DeviceProps | None = None) -> torch.Tensor:
-    """``y[M, N] = x @ (w * scale)^T`` per group, in x's dtype (fp32 accumulation).
-
-    x [M, groups * K] (fp32, bf16 or fp16, unit stride along K); w float8_e4m3fn [N, K]
-    (unit stride along K), ``groups`` groups of N / groups rows, group g applied to x's
-    columns g * K ... (g + 1) * K; scale [cdiv(N, 128), cdiv(K, 128)] fp32 or E8M0 bytes
-    (float8_e8m0fnu or uint8), unit stride along K. :func:`dsv4lab.ops.linear` checks and
-    prepares them. ``out`` ([M, N], x's dtype, unit stride along N) receives the result;
-    ``props`` plans for another device than x's. No host synchronisation.
-    """
+    """``y[M, N] = x @ (w * scale)^T`` per group, in x's dtype: x [M, groups * K], w e4m3
+    [N, K], scale fp32 or E8M0 [N / 128, K / 128] (:func:`dsv4lab.ops.linear` checks them),
+    group g on x's columns g * K ... ``props`` plans for another device. No host sync."""
     M = x.shape[0]
     N, K = w.shape
     if x.stride(1) != 1 or w.stride(1) != 1 or scale.stride(1) != 1:
@@ -378,7 +312,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, groups:
 
 
 # ------------------------------------------------------------------- the dispatch tables
-
 TABLES = {
     "linear": (Route("linear_kernel", None, "1..8 rows by a small weight (ops.linear's 'auto' rule)",
                      "one launch for every row count, each row's bits independent of the others "
@@ -394,9 +327,7 @@ TABLES = {
 
 
 # -------------------------------------------------------------------- offline compiles
-
-# The projections a verify step of the mini model multiplies (fp32 weights [N, K]); every
-# DeepSeek-V4-Flash projection is larger than ops.linear's "auto" limit for float weights.
+# the mini model's verify-step projections (fp32 [N, K]; V4-Flash's exceed "auto"'s limit)
 VERIFY_WEIGHTS = ((4, 128), (8, 128), (24, 512), (32, 128), (64, 128), (128, 64), (128, 128),
                   (256, 64), (256, 128))
 # DeepSeek-V4-Flash's FP8 projections: (name, N, K, groups); wo_a is 8 groups of 4096 -> 1024.
@@ -437,8 +368,7 @@ def _fp8_cases(props: DeviceProps) -> list[Case]:
 
 
 def offline_cases(props: DeviceProps) -> list[Case]:
-    """The launches on ``props``: the verify step's float weights (M 1..8 share one kernel)
-    and the FP8 weights of DeepSeek-V4-Flash's projections."""
+    """The launches on ``props``: the verify step's float weights, V4-Flash's FP8 projections."""
     cases, seen = [], set()
     for N, K in VERIFY_WEIGHTS:
         cfg = tile_config(N, K, props)

@@ -2,11 +2,8 @@
 mHC (manifold-constrained hyper-connections): the per-token mixing math, fused
 ==============================================================================
 
-The idea
---------
 DeepSeek-V4 keeps ``n`` (4) residual streams per token. Around each sub-block a
-hyper-connection computes, per token, from the flattened streams ``xf = x.flatten()``
-(``n * d`` values)::
+hyper-connection computes, per token, from the flattened streams ``xf`` (``n * d`` values)::
 
     mixes = (xf @ fn.T) * rsqrt(mean(xf^2) + eps)                  # (2 + n) * n values
     pre   = sigmoid(mixes[:n] * s0 + b[:n]) + eps                   # n
@@ -18,25 +15,19 @@ and after the sub-block (output ``out``)::
 
     streams[i] = post[i] * out + sum_j comb[i, j] * x[j]
 
-``sinkhorn``: row softmax, ``+ eps``, a column normalisation, then ``iters - 1`` rounds
-of (row, column) normalisation. In torch that is 20 iterations of tiny ops on [T, n, n]
-tensors plus the sigmoids and reductions: hundreds of kernel launches per layer, which
-cost more than the math (a few KB per token). Here:
+``sinkhorn``: row softmax, ``+ eps``, a column normalisation, then ``iters - 1`` rounds of
+(row, column) normalisation. In torch: hundreds of tiny launches a layer, costing more than
+the math (a few KB a token). Here:
 
-- :func:`mhc_pre_kernel`: one program per (token, d-slice). It reads the token's streams
-  once for the sum of squares, does the whole n x n Sinkhorn in registers, stores ``post``
-  and ``comb`` (first slice only), and writes its slice of ``y``. The ``xf @ fn.T`` matmul
-  stays outside: it is a real GEMM over a weight that does not fit one program.
-  ``HEAD=True`` is the model's final reduction (pre weights only, no ``scale``).
-- :func:`mhc_post_kernel`: one program per (token, d-block): ``n`` rows of
-  ``post * out + comb @ x``.
+- :func:`mhc_pre_kernel`: a program per (token, d-slice) reads the streams for the sum of
+  squares, runs the n x n Sinkhorn in registers, stores ``post`` and ``comb`` (first slice)
+  and its slice of ``y``. The ``xf @ fn.T`` GEMM stays outside. ``HEAD=True``: the model's
+  final reduction (pre weights only, no ``scale``).
+- :func:`mhc_post_kernel`: a program per (token, d-block): ``n`` rows of ``post * out + comb @ x``.
 
-The two passes over a token's streams in ``mhc_pre_kernel`` are ``tl.range(...,
-num_stages=...)`` loops: with no ``tl.dot`` in a loop the pipeliner leaves its loads alone
-unless asked. Both kernels use a fixed grid, no host synchronisation and no data-dependent
-shapes (safe inside CUDA-graph capture), fp32 math, and run in Triton's interpreter; their
-launches are planned once per shape (``kernels/launch.py``).
-Explained in notebooks/06_decode_step_at_scale.ipynb.
+The passes over the streams are ``tl.range(..., num_stages=...)`` loops: without a ``tl.dot``
+the pipeliner leaves loads alone unless asked. Fixed grids, no host sync (CUDA-graph safe),
+fp32 math; runs in Triton's interpreter. Explained in notebooks/06_decode_step_at_scale.ipynb.
 """
 from __future__ import annotations
 
@@ -143,7 +134,6 @@ def mhc_post_kernel(out_ptr, res_ptr, post_ptr, comb_ptr, y_ptr, D,
 
 
 # ------------------------------------------------------------------- the dispatch table
-
 TABLES = {
     "mhc_pre": (Route("mhc_pre_kernel", None, "every shape (after the xf @ fn.T matmul)",
                       "one launch instead of the reference's ~hundred tiny ops (`dsv4lab bench mhc`)"),),
@@ -159,9 +149,8 @@ NUM_WARPS = 4
 
 def pre_launch(T: int, n: int, d: int, props: DeviceProps, *, block_d: int | None = None,
                split: int | None = None) -> tuple[int, int, int]:
-    """``(BLOCK_D, split, blocks_per_split)`` of :func:`mhc_pre_kernel`: ``split`` d-slices
-    per token, enough programs to give every SM two (each slice re-reads the token's streams
-    for the sum of squares, from L2). ``block_d`` and ``split`` override the choice."""
+    """``(BLOCK_D, split, blocks_per_split)`` of :func:`mhc_pre_kernel`: enough d-slices a
+    token for two programs an SM (``block_d``, ``split``: overrides)."""
     np2 = triton.next_power_of_2(n)
     BLOCK_D = block_d or max(16, min(triton.next_power_of_2(d), 2048 // np2))
     n_blocks = triton.cdiv(d, BLOCK_D)
@@ -180,9 +169,8 @@ def post_block(n: int, d: int) -> int:
 def mhc_pre(x: torch.Tensor, mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor | None,
             iters: int, eps: float, *, block_d: int | None = None, split: int | None = None,
             props: DeviceProps | None = None):
-    """x [T, n, d] contiguous, mixes [T, M] fp32 (``xf @ fn.T``), base [M] fp32, scale [3]
-    fp32 (None: the head, M = n) -> (y [T, d] x.dtype, post [T, n] fp32, comb [T, n, n] fp32)
-    (post and comb are None for the head). ``block_d``, ``split``: see :func:`pre_launch`."""
+    """x [T, n, d], mixes [T, M] (``xf @ fn.T``), base [M], scale [3] (None: the head) ->
+    (y [T, d], post [T, n], comb [T, n, n]); post and comb None for the head."""
     T, n, d = x.shape
     head = scale is None
     y = torch.empty((T, d), dtype=x.dtype, device=x.device)
@@ -213,8 +201,7 @@ def _pre_plan(device, T, n, d, head, iters, block_d, split, props) -> Launch:
 
 def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
              *, block_d: int | None = None) -> torch.Tensor:
-    """out [T, d], residual [T, n, d], post [T, n] fp32, comb [T, n, n] fp32 (all
-    contiguous) -> streams [T, n, d] in residual's dtype."""
+    """out [T, d], residual [T, n, d], post, comb (fp32) -> streams [T, n, d]."""
     T, n, d = residual.shape
     y = torch.empty_like(residual)
     if T == 0:
@@ -230,10 +217,8 @@ def mhc_post(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb
 
 
 # -------------------------------------------------------------------- offline compiles
-
 def offline_cases(props: DeviceProps) -> list[Case]:
-    """The launches on ``props`` at DeepSeek-V4-Flash's shape: hidden 4096, 4 streams, bf16
-    streams, 20 Sinkhorn iterations, T 1 and 64 tokens; pre, head and post."""
+    """The launches on ``props`` at V4-Flash's shape (4 bf16 streams of 4096), T 1 and 64."""
     n, d, np2 = 4, 4096, 4
     cases = []
     for T in (1, 64):

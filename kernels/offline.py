@@ -1,14 +1,9 @@
 """Compile a kernel for a GPU that is not here, and read what it costs.
 
-Each family lists the launches its dispatch makes in its default configurations
-(``offline_cases(props)``, one :class:`Case` each); :func:`compile_case` compiles one for
-``props.capability`` with Triton's own ptxas, so that "runs on sm_80 .. sm_120" is checked
-on a machine without a GPU (tests/test_portability.py), and the shared memory of every
-launch is held against that GPU's per-block limit.
-
-Compiling needs Triton's compiler, not its interpreter: run with ``TRITON_INTERPRET=0``
-(``import dsv4lab`` then leaves it alone). Figures here are offline: the device's own
-compile may differ.
+Each family lists its dispatch's launches (``offline_cases(props)``, one :class:`Case` each);
+:func:`compile_case` compiles one for ``props.capability`` with Triton's ptxas, so "runs on
+sm_80 .. sm_120" and each launch's shared memory are checked without a GPU
+(tests/test_portability.py). Needs ``TRITON_INTERPRET=0``; the device's own compile may differ.
 """
 from __future__ import annotations
 
@@ -23,12 +18,8 @@ from dsv4lab.kernels.device import DeviceProps
 
 @dataclass(frozen=True)
 class Case:
-    """One launch as the compiler sees it.
-
-    ``types``: Triton type strings of the parameters that are not constexprs ("*bf16",
-    "i32", "fp32"); a parameter not named there is ``pointer`` if its name ends in ``_ptr``,
-    else "i32". ``aligned``: parameters the launch passes 16-byte aligned / divisible by 16
-    ("*": every pointer)."""
+    """One launch as the compiler sees it. ``types``: Triton types of non-constexprs (default:
+    ``pointer`` for a ``*_ptr`` name, else "i32"); ``aligned``: those 16-aligned ("*": pointers)."""
     name: str
     fn: object
     constexprs: dict
@@ -85,8 +76,7 @@ def compile_case(case: Case, props: DeviceProps):
 
 
 def report(kernel) -> dict:
-    """Registers, stack, spills, instruction and MMA counts of a compiled kernel (Triton's
-    cuobjdump), with its SASS."""
+    """Registers, stack, spills, instruction and MMA counts of a compiled kernel, and its SASS."""
     import triton
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.TemporaryDirectory() as d:

@@ -1,16 +1,10 @@
 """Read a buffer once, as fast as the memory system allows: the bandwidth yardstick.
 
-A memory-bound kernel's figure is its bytes over its time. This kernel moves bytes and does
-nothing else (an xor per 32-bit word, so the loads cannot be optimised away), which makes it
-the floor any kernel reading the same bytes is compared with.
-
-Each program walks the buffer in a grid stride of ``BLOCK`` words (coalesced 16-byte loads
-per thread) and writes the xor of what it read: one word a program. The xor of the output
-equals the xor of the input, the check that every word was read.
-
-``dsv4lab bench l2`` times it after each L2 state of :mod:`dsv4lab.bench`: the gap between
-the two states is what the timing method costs, not the kernel.
-Explained in notebooks/00_tour.ipynb.
+It moves bytes and nothing else (an xor per 32-bit word, so the loads stay): the floor any
+kernel reading the same bytes is compared with. Each program walks the buffer in a grid stride
+of ``BLOCK`` words and writes the xor of what it read; the output's xor is the input's, the
+check that every word was read. ``dsv4lab bench l2`` times it after each L2 state: the gap is
+what the timing method costs. Explained in notebooks/00_tour.ipynb.
 """
 from __future__ import annotations
 
@@ -36,10 +30,8 @@ def _stream_read_kernel(src, out, n_words, BLOCK: tl.constexpr):
 
 
 def stream_read(words: torch.Tensor, *, programs: int | None = None, block: int = BLOCK) -> torch.Tensor:
-    """Read every element of ``words`` (contiguous 1-D int32) once; return the per-program xor.
-
-    ``programs`` defaults to 8 a streaming multiprocessor on a GPU (4 under the interpreter).
-    """
+    """Read every element of ``words`` (contiguous 1-D int32) once; return the per-program xor
+    (``programs``: default 8 an SM, 4 on the CPU)."""
     if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 1:
         raise ValueError(f"words must be a 1-D int32 tensor, got "
                          f"{getattr(words, 'dtype', type(words).__name__)} of shape {tuple(getattr(words, 'shape', ()))}")

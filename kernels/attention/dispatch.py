@@ -1,17 +1,11 @@
 """Sparse MLA decode: which kernel runs where, with which launch configuration.
 
-:data:`TABLES` is the family's dispatch table (first route that applies wins): the
-warp-specialised sm_90 kernel (``ws_sm90.py``) where it was compiled, run and measured to win,
-else lesson 2's portable Triton kernel (``mma.py``), on every GPU and in the interpreter.
-
-The Triton kernel's configuration comes from the device, never from its name: the entries
-measured on the H200 (:data:`TUNED`, keyed by capability) where they apply, else
-:func:`portable_config` by the shared memory a block may have. Either way the first call on a
-GPU launches a configuration that fits, with no timing and no host synchronisation; a plan is
-computed once per (device, shape) and cached (:func:`plan`), and so are its launches
-(:func:`launches`, through ``kernels/launch.py``). :func:`check_indices` is the op's value
-check: one launch, read back after the kernels. tests/test_portability.py
-compiles every launch :func:`offline_cases` lists for sm_80, 89, 90, 100 and 120.
+:data:`TABLES` (first route that applies wins): the warp-specialised sm_90 kernel
+(``ws_sm90.py``) where it was run and measured to win, else lesson 2's portable kernel
+(``mma.py``). The latter's configuration comes from the device, never its name: :data:`TUNED`
+by capability, else :func:`portable_config` by shared memory a block; no timing, no host sync.
+Plans and launches are made once per (device, shape). :func:`check_indices` is the op's value
+check; tests/test_portability.py compiles every launch of :func:`offline_cases`.
 """
 from __future__ import annotations
 
@@ -39,8 +33,8 @@ def size_class(rows: int) -> str:
 
 def _ws_applies(p: DeviceProps, *, rows=64, heads=64, dim=512, d_v=512, q_dtype=torch.bfloat16,
                 fp8=False, aligned=True, offline=False, **_) -> bool:
-    """The ws_sm90 route's condition (the defaults: V4 decode at B 64; ``offline``: planning
-    for the GPU ``p`` describes, as on the Triton release the route runs with)."""
+    """The ws_sm90 route's condition (defaults: V4 decode at B 64; ``offline``: for ``p``'s GPU
+    on the route's Triton, whatever runs here)."""
     if not offline and (interpreting() or gluon_unsupported() is not None):
         return False
     if not (heads == 64 and dim == d_v == 512 and aligned and rows > 16):
@@ -65,10 +59,8 @@ TABLES = {OP: (
           why="the portable tensor-core kernel (lesson 2), configured by the device"),
 )}
 
-# Configurations of the Triton kernel measured fastest on the H200 at 64 heads, D = d_v = 512,
-# 16-bit q (tools/tune_sparse_mla.py sweeps them on any GPU and prints such an entry); mid and
-# large batches run the ws_sm90 route there. ``evict_kv`` applies at S_q = 1 only: a verify
-# step's positions share rows through the L2.
+# The Triton kernel's fastest configurations on the H200 at 64 heads, D = d_v = 512, 16-bit q
+# (tools/tune_sparse_mla.py prints such entries); ``evict_kv`` applies at S_q = 1 only.
 TUNED = {
     (9, 0): {
         ("bf16", "tiny"): Config(64, 4, 2, 16, pdl=True),
@@ -81,15 +73,9 @@ INTERPRETER = Config(16, 4, 1, 64)      # small tiles, so a short list spans sev
 
 
 def portable_config(p: DeviceProps, rows: int, dim: int, fp8: bool) -> Config:
-    """The Triton kernel's configuration from the shared memory a block may have. A [64, 512]
-    fp32 accumulator takes 128 registers a thread at 8 warps: beside it a program holds Q (or,
-    with the FP8 cache, the raw bytes and the dequantised tile) within the 255 a thread only
-    with fewer heads, so the smaller parts take 32-head blocks (two programs a query, sharing
-    each tile through the L2) and the FP8 cache 16-head ones; one or two query positions take
-    16-head blocks too, four programs a query, to fill more SMs. Shared memory of these as
-    compiled for sm_80 .. sm_120 (tests/test_portability.py checks each against its GPU): bf16
-    N32 h16 about 50 KB, N32 h32 68 KB, N32 w8 h64 130 KB (sm_90) to 165 KB (sm_100); FP8 N32
-    h16 103 KB, N16 h16 59 KB. Sized for D <= 512 (a wider row takes the smallest tiles)."""
+    """The Triton kernel's configuration by the shared memory a block may have: beside a
+    [64, 512] fp32 accumulator Q or the FP8 tiles fit in registers only with 32 heads a block
+    (16 for FP8, and for 1-2 query positions, to fill SMs). D > 512 takes the smallest tiles."""
     if dim > 512:
         return Config(16, 4, 1, 16)
     if fp8:
@@ -112,8 +98,7 @@ def triton_config(p: DeviceProps, *, rows, heads, dim, d_v, q_dtype, fp8, offlin
 
 
 class Plan(NamedTuple):
-    """What one call launches: the route's kernel, the Triton kernel's configuration (None
-    for ws_sm90), the split-KV plan, the ws kernel's lazy rescale, the L2 policy."""
+    """What one call launches (``config``: None for ws_sm90; ``lazy``: its lazy rescale)."""
     kernel: str
     config: Config | None
     splits: int
@@ -124,8 +109,7 @@ class Plan(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def plan(p: DeviceProps, *, B, S_q, H, D, d_v, topk, q_dtype, fp8, aligned, offline=False) -> Plan:
-    """The launch plan of a call (cached per device and shape). ``offline``: the plan on the
-    GPU ``p`` describes, as on the Triton release its routes run with, whatever runs here."""
+    """The launch plan of a call (cached). ``offline``: as for :func:`_ws_applies`."""
     shape = dict(rows=B * S_q, heads=H, dim=D, d_v=d_v, q_dtype=q_dtype, fp8=fp8,
                  aligned=aligned, offline=offline)
     if choose(TABLES[OP], p, **shape).kernel == "ws_sm90":
@@ -148,13 +132,11 @@ _CALLS: dict = {}
 
 def sparse_mla_decode(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits=None,
                       kernel=None):
-    """The family's entry: plan the call on q's device and launch it. q [B, S_q, H, D]
-    contiguous; kv [N, D] in q's dtype or uint8 [N, 584] (``fp8``), contiguous; indices int32
-    [B, S_q, topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v], lse fp32 [B, S_q, H]).
-    ``num_splits`` overrides the plan's split-KV ranges (1: never split); ``kernel="mma"`` runs
-    the portable kernel where the table would pick a fast path (the benchmark's evidence).
-    The launches of a (device, shape, alignment) are planned once (:func:`launches`); a call
-    then costs a dict lookup, two allocations and its launches."""
+    """The family's entry: plan the call on q's device and launch it. q [B, S_q, H, D]; kv
+    [N, D] in q's dtype or uint8 [N, 584] (``fp8``), both contiguous; indices int32 [B, S_q,
+    topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v], lse fp32 [B, S_q, H]).
+    ``num_splits`` overrides the split-KV plan (1: never split); ``kernel="mma"`` runs the
+    portable kernel where the table would pick a fast path (the benchmark's baseline)."""
     B, S_q, H, D = q.shape
     qp, kp = q.data_ptr(), kv.data_ptr()
     key = (q.device, B, S_q, H, D, d_v, indices.shape[-1], q.dtype, fp8, not (qp | kp) & 15,
@@ -167,8 +149,7 @@ def sparse_mla_decode(q, kv, indices, sink, scale, d_v, *, fp8=False, num_splits
 
 def launches(device, B, S_q, H, D, d_v, topk, q_dtype, fp8, aligned, word_aligned, has_sink,
              num_splits=None, kernel=None):
-    """The launches of one call shape (``mma.MmaLaunches`` or ``ws_sm90.WsLaunches``), by
-    :func:`plan`'s route and configuration."""
+    """The launches of one call shape (``MmaLaunches`` or ``WsLaunches``) by :func:`plan`."""
     p = props(device)
     pl = plan(p, B=B, S_q=S_q, H=H, D=D, d_v=d_v, topk=topk, q_dtype=q_dtype, fp8=fp8,
               aligned=aligned)
@@ -190,16 +171,13 @@ def launches(device, B, S_q, H, D, d_v, topk, q_dtype, fp8, aligned, word_aligne
                         word_aligned=word_aligned, fp8_hw=fp8_hw)
 
 
-# ----------------------------------------------------------------------------------------
-# The value check: one launch before the kernels, read back after them
-# ----------------------------------------------------------------------------------------
+# ---- the value check: one launch before the kernels, read back after them ------------------
 
 @triton.jit(do_not_specialize=["slot", "stamp"])
 def check_indices_kernel(idx_ptr, safe_ptr, kv_ptr, flag_ptr, n, N, slot, stamp,
                          BLOCK: tl.constexpr, FP8: tl.constexpr):
-    """``safe`` = the indices with every one outside [-1, N) made -1 (so no kernel reads
-    outside the cache), and ``flags[slot]`` raised to ``2 * stamp + bad``: bad if an index
-    is outside [-1, N) or, with the FP8 cache, a selected row holds the scale byte 255."""
+    """``safe`` = the indices with any outside [-1, N) made -1; ``flags[slot]`` raised to
+    ``2 * stamp + bad``: bad for such an index or (FP8) a selected row with scale byte 255."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     idx = tl.load(idx_ptr + offs, mask=m, other=-1)
@@ -220,8 +198,7 @@ _CHECKS: dict = {}
 
 def check_indices(indices, kv, fp8: bool):
     """Launch the value check of ``indices`` (contiguous int32) against ``kv`` [N, row] ->
-    (the indices the kernels should read, the :class:`~dsv4lab.kernels.launch.Verdict` to
-    read after them)."""
+    (the indices the kernels should read, the ``Verdict`` to read after them)."""
     dev = indices.device
     n, N = indices.numel(), kv.shape[0]
     key = (dev, n, N, fp8)
@@ -237,12 +214,9 @@ def check_indices(indices, kv, fp8: bool):
     return safe, verdict
 
 
-# ----------------------------------------------------------------------------------------
-# The launches "auto" makes, for compiling offline (tests/test_portability.py)
-# ----------------------------------------------------------------------------------------
+# ---- the launches "auto" makes, for compiling offline (tests/test_portability.py) ----------
 
-# (B, S_q, topk) a size class is compiled at: DeepSeek-V4-Flash's CSA layers (640 slots), and
-# the 1M-context HCA layers' 8,320 for one query (more split-KV ranges for the combine)
+# (B, S_q, topk) per size class: V4-Flash's CSA layers (640 slots), 1M-context HCA ones (8,320)
 V4_CASES = (("tiny", 1, 1, 640), ("tiny", 1, 1, 8320), ("small", 8, 1, 640),
             ("mid", 64, 1, 640), ("large", 128, 2, 640))
 
@@ -259,14 +233,9 @@ def _flags(consts) -> str:
 
 
 def offline_cases(p: DeviceProps) -> list:
-    """The launches :func:`sparse_mla_decode` makes on the GPU ``p`` describes, at V4's shape
-    (64 heads, D = d_v = 512, bf16 q with a sink), for every size class and both caches, as on
-    the Triton release the routes were validated with (on sm_90 the ws_sm90 launches, and the
-    Triton kernel that runs there on any other release): one offline.Case each. The cases
-    leave out the L2 mark (``EVICT_KV``: one PTX comment and a move, no shared memory), since a
-    marked kernel compiled outside its launcher's ``l2_hint.rewriting()`` would land in Triton
-    3.6's cache as a plain build under the launch's key (tests/test_l2_hint.py compiles the
-    marked ones)."""
+    """The launches :func:`sparse_mla_decode` makes on ``p``'s GPU at V4's shape (bf16 q, a
+    sink), every size class and cache (on sm_90 also the Triton kernel other releases run), as
+    offline.Cases, unmarked (an ``EVICT_KV`` build here would enter Triton 3.6's cache plain)."""
     from dsv4lab.kernels.attention import mma
     from dsv4lab.kernels.offline import Case
     cases = {}                       # one case a distinct launch, named by the shapes using it

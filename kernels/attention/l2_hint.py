@@ -1,34 +1,24 @@
 """The KV gathers' ``cp.async`` under an L2 evict-first policy, for the kernels that ask for it.
 
-Why. A decode step meets the L2 full of dirty lines (the rest of the step's writes; the
-benchmarks' flush leaves it so too). Each line a gather brings in for a row read once evicts
-one of them, which is first written back to HBM. Loaded with an L2 evict-first policy the rows
-read once take each other's place instead: a gain at S_q = 1 in the H200 rows of ``dsv4lab
-bench sparse_mla`` (a verify step's positions share rows through the L2, so not there). Neither
-Triton's nor Gluon's ``cp.async`` emits the policy on the Triton the kernels run with (3.6:
-Gluon's ``eviction_policy`` gives a plain ``cp.async.cg``).
+Why. A decode step meets the L2 full of dirty lines; each line a gather brings in for a row
+read once evicts one, written back to HBM first. Under evict-first the rows read once replace
+each other instead: a gain at S_q = 1 (rows: dsv4lab bench sparse_mla). Neither Triton's nor
+Gluon's ``cp.async`` emits the policy on Triton 3.6.
 
-How. A kernel that wants the policy calls :func:`mark_tl` (Triton) or :func:`mark` (Gluon)
-under a constexpr flag: a PTX comment and one move. Its launcher launches it inside
-``with rewriting():``, which sets Triton's stage hook (``triton.knobs.runtime.
-add_stages_inspection_hook``) for that launch only and restores it after; a compile there puts
-the PTX of a marked kernel through :func:`rewrite`: each masked ``cp.async`` (a register
-src-size: the gathers) gets ``.L2::cache_hint`` and a policy register made by
-``createpolicy.fractional.L2::evict_first`` just before it (PTX ISA 7.4, sm_80+). Unmarked
-kernels compile untouched, and nothing is set at import.
+How. A kernel calls :func:`mark_tl` (Triton) or :func:`mark` (Gluon) under a constexpr flag (a
+PTX comment and one move) and is launched inside ``with rewriting():``, which sets Triton's
+stage hook for that launch only. There :func:`rewrite` gives each masked ``cp.async`` of a
+marked kernel's PTX ``.L2::cache_hint`` and a ``createpolicy.fractional.L2::evict_first``
+register (PTX ISA 7.4, sm_80+). Unmarked kernels compile untouched; nothing is set at import.
 
-Caching. The mark is a constexpr branch, so a marked kernel has its own cache key, and the mark
-carries this file's hash, so a change here compiles the marked kernels anew. Triton 3.6 reads
-the hook only while compiling; Triton 3.9 also asks it for a key on every launch inside the
-scope (:func:`_hook` called with nothing), which joins the marked kernel's key. A marked kernel
-compiled outside the scope (an offline compile) is a plain build: no harm, no policy.
+Caching. A marked kernel has its own cache key, and the mark carries this file's hash. Triton
+3.9 also asks the hook for a key on every launch in the scope (:func:`_hook` with no args). A
+marked kernel compiled outside the scope is a plain build: no harm, no policy.
 
 Guarded twice. ptxas has built some hinted copies wrongly (an ``LDGSTS`` reading uniform
-registers nothing writes, an illegal instruction on the H200), so a marked kernel's cubin is
-checked (:func:`sass_uniforms_written`) and, if it fails, built again from the unhinted PTX (the
-compiled kernel's metadata ``l2_evict_first`` says which). And launchers mark their kernels
-only on the Triton releases the hinted kernels have run on (:func:`active`). The policy is a
-speed-up, never a change of results: a marked kernel computes the unmarked one's bits.
+registers nothing writes), so a marked cubin is checked (:func:`sass_uniforms_written`) and,
+failing, rebuilt from the plain PTX (metadata ``l2_evict_first`` says which); and launchers mark
+only on validated releases (:func:`active`). The results' bits never change.
 """
 import contextlib
 import functools
@@ -53,8 +43,7 @@ MARK = "dsv4lab: cp.async L2::evict_first"
 _SOURCE = hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:16]
 METADATA_KEY = "l2_evict_first"     # "hinted", or "plain (ptxas descriptor)"
 _MARK_ASM = tl.constexpr(f"// {MARK} {_SOURCE}\nmov.u32 $0, $1;")
-# a masked copy (.cg 16 bytes, or .ca 4 / 8 / 16) with a register src-size (0: a masked-off
-# row, zero-filled), perhaps under a predicate (Triton's pipelined loads)
+# a masked copy (.cg or .ca) with a register src-size, perhaps under a predicate
 _CP_ASYNC = re.compile(r"(@!?%p\d+ +)?cp\.async\.(c[ag])\.shared\.global \[([^\]]*)\], "
                        r"\[([^\]]*)\], (0x[0-9a-f]+, %r\d+);")
 
@@ -69,17 +58,14 @@ def mark_tl():
 if gluon is not None:
     @gluon.jit
     def mark(num_warps: gl.constexpr):
-        """Ask for the policy on this Gluon kernel's masked ``cp.async`` copies (call it where
-        ``num_warps`` warps run)."""
+        """The same for a Gluon kernel, called where ``num_warps`` warps run."""
         one: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
         gl.inline_asm_elementwise(_MARK_ASM, "=r,r", [gl.arange(0, 32 * num_warps, layout=one)],
                                   dtype=gl.int32, is_pure=False, pack=1)
 
 
 def rewrite(ptx: str) -> str:
-    """PTX with the mark -> its masked ``cp.async`` copies under an L2 evict-first policy, each
-    with its own scoped policy register (a kernel without the mark comes back unchanged). Raises
-    if a marked kernel has no masked copy to give the policy to."""
+    """Marked PTX -> its masked ``cp.async`` under the policy (raises if none); unmarked: as is."""
     if MARK not in ptx:
         return ptx
     out, n = _CP_ASYNC.subn(
@@ -94,8 +80,7 @@ def rewrite(ptx: str) -> str:
 
 
 def _descriptors_ok(cubin: bytes) -> bool:
-    """:func:`sass_uniforms_written` on the cubin's SASS (Triton's cuobjdump); False when the
-    SASS cannot be read: then nothing is hinted."""
+    """:func:`sass_uniforms_written` on the cubin's SASS; False if it cannot be read."""
     tool = getattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "cuobjdump", None)
     path = getattr(tool, "path", None)
     if not path:
@@ -109,10 +94,8 @@ def _descriptors_ok(cubin: bytes) -> bool:
 
 
 def sass_uniforms_written(sass: str) -> bool:
-    """Whether every uniform register ``URn`` that an ``LDGSTS`` (cp.async) reads, for its
-    shared-memory offset or its memory descriptor (which holds the policy), is the destination
-    of some instruction (a ``.64`` destination writes ``URn`` and ``URn+1``). A necessary
-    check, not a proof."""
+    """Whether every uniform register an ``LDGSTS`` (cp.async) reads is written by some
+    instruction (a ``.64`` destination writes two). Necessary, not a proof."""
     written = set()
     for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?[A-Z][A-Z0-9_]*(\.[A-Z0-9_.]+)?\s+UR(\d+)\b",
                          sass):
@@ -128,10 +111,8 @@ _KEY = f"dsv4lab.l2_hint:{_SOURCE}"
 
 
 def _hook(*args, _chained=None):
-    """Triton's stage hook. Called with the pipeline (backend, stages, options, language,
-    capability): the PTX stage through :func:`rewrite`, and a marked kernel's cubin checked and,
-    if it fails, built again from the unhinted PTX. Called with nothing (Triton 3.9, for the
-    launch's cache key): -> (key, hash) naming the rewrite (and a hook chained before it)."""
+    """Triton's stage hook: PTX through :func:`rewrite`, a marked cubin checked (and rebuilt
+    plain if it fails). With no args (Triton 3.9's cache key): -> (key, hash)."""
     if not args:
         key = _KEY if _chained is None else _chained()[0] + _KEY
         return key, hashlib.sha256(key.encode()).hexdigest()
@@ -164,8 +145,7 @@ def _hook(*args, _chained=None):
 
 @functools.lru_cache(maxsize=8)
 def _hook_after(previous):
-    """The hook, chained after ``previous`` (a hook someone else set, or None); one object per
-    ``previous``, so Triton 3.9 sees the same key launch after launch."""
+    """The hook chained after ``previous``, one object each (a stable key for Triton 3.9)."""
     hook = functools.partial(_hook, _chained=previous)
     key = _hook(_chained=previous)
     hook_key = lambda *args: key if not args else hook(*args)     # noqa: E731
@@ -189,21 +169,18 @@ def _rewriting():
 
 
 def rewriting(enabled: bool = True):
-    """A context for a marked kernel's launch: the rewrite in Triton's compiler pipeline inside,
-    the previous hook back after (``enabled`` False, or a Triton without the stage hook: a
-    context that does nothing)."""
+    """The context of a marked kernel's launch: the rewrite in Triton's pipeline inside (a
+    no-op if not ``enabled`` or Triton has no stage hook)."""
     if not enabled or _runtime_knobs() is None:
         return contextlib.nullcontext()
     return _rewriting()
 
 
-# Triton releases whose hinted kernels have run on a GPU (the H200's Triton 3.6); on others the
-# rewrite still works (tests/test_l2_hint.py compiles a marked kernel), but launchers do not mark
+# Triton releases whose hinted kernels have run on a GPU; on others launchers do not mark
 VALIDATED_TRITON = ((3, 6),)
 _VALIDATED = triton_release() in VALIDATED_TRITON
 
 
 def active() -> bool:
-    """Whether launchers should mark their kernels: compiled kernels (not the interpreter), a
-    Triton with the stage hook, and a release of :data:`VALIDATED_TRITON`."""
+    """Whether launchers mark: compiled (not interpreted), stage hook, a VALIDATED_TRITON."""
     return _VALIDATED and not interpreting() and _runtime_knobs() is not None

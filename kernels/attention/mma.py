@@ -1,44 +1,30 @@
 """Sparse MLA decode, lesson 2: the heads share each gathered KV tile, on the tensor cores.
 
-All H query heads of one query position attend to the *same* selected latent rows (MQA). So
-instead of one program per head (lesson 1, ``simt.py``), one program takes a block of
-``BLOCK_H`` heads (64 for DeepSeek-V4) and stacks them as the M side of ``tl.dot``::
+All H query heads of one query position attend to the *same* selected latent rows (MQA), so
+one program takes a block of ``BLOCK_H`` heads (64 for DeepSeek-V4) as the M side of ``tl.dot``::
 
     S   [BLOCK_H, BLOCK_N] = Q [BLOCK_H, D] @ K^T [D, BLOCK_N]       (scores, fp32)
     acc [BLOCK_H, d_v]    += P [BLOCK_H, BLOCK_N] @ V [BLOCK_N, d_v]   (V = K[:, :d_v])
 
-Each tile of ``BLOCK_N`` selected rows is gathered once (a bf16 row of 512 values is 1 KB, so
-row gathers coalesce) and used by every head of the block: 64x fewer bytes than lesson 1, and
-the math on the tensor cores. The softmax is online (running max and sum per head, fp32, base
-2). The query positions of a step (S_q = 1..4, a speculative verify) are more rows of the grid.
+Each tile of ``BLOCK_N`` rows is gathered once for every head of the block: 64x fewer bytes
+than lesson 1 (``simt.py``), and the math on the tensor cores. The softmax is online (fp32,
+base 2); a step's query positions (S_q = 1..4, a speculative verify) are more rows of the grid.
 
-Split-KV. When B x S_q is too small to fill the GPU, the ``topk`` slots are cut into
-``num_splits`` ranges; each program writes an un-merged partial (its normalised output, in
-q's dtype, and its base-2 log-sum-exp) and :func:`combine_splits` merges them and adds the sink.
-
-The FP8 cache (584-byte rows, dsv4lab/quant/kv_fp8.py) is dequantised in registers. On sm_89
-and newer (``FP8_HW``) the e4m3 bytes are converted by the hardware and multiplied by their
-group's power-of-two scale (built from its exponent byte by a shift: exact); sm_80 has no e4m3
-conversion, so there the bits are moved instead (sign to bit 15, exponent and mantissa to bits
-7..13 of an fp16: the e4m3 value times 2^-8, normals and subnormals alike). The 64 RoPE values
-are read as bf16. Fewer bytes a row, the same two dots.
-
-Two loop shapes, picked by the launch configuration (:class:`Config`):
-
-* the plain loop: each tile's indices, then its rows. Triton's pipeliner then splits its stages
-  of lead between those two dependent loads, so the rows get one tile of lead;
+* Split-KV: when B x S_q cannot fill the GPU, the ``topk`` slots are cut into ``num_splits``
+  ranges, each writing a partial (normalised output, base-2 lse) that :func:`combine_splits`
+  merges, adding the sink.
+* The FP8 cache (584-byte rows, dsv4lab/quant/kv_fp8.py) is dequantised in registers: e4m3 by
+  the hardware on sm_89+ (``FP8_HW``), by moving bits into an fp16 on sm_80, times the group's
+  power-of-two scale (exact). The 64 RoPE values are read as bf16.
 * ``PIPE_GATHER``: the loop carries the next tile's indices, so the row gather depends on no
-  load of its own iteration and gets all ``num_stages - 1`` tiles of lead. The FP8 scales are
-  then read as one 8-byte word a row (byte j: group j's scale), one copy the pipeliner can
-  multi-buffer where seven one-byte loads would stay synchronous in the loop.
+  load of its own iteration and gets all ``num_stages - 1`` tiles of lead (the plain loop: one);
+  the FP8 scales then come as one 8-byte word a row, which the pipeliner can multi-buffer.
+* ``SPLIT_QK``: a dot whose result feeds another dot gets all warps along M, so at 64 heads and
+  8 warps both warp groups would compute the same scores; the softmax in both arms of an
+  always-taken branch lets the scores' dot split by columns between them.
 
-``SPLIT_QK``: Triton lays out a dot whose result reaches another dot with all warps along M,
-so at 64 heads and 8 warps both warp groups would compute the same scores. With the softmax
-written in both arms of an always-taken branch the uses stop at the branch, and the scores'
-dot is split by columns between the warp groups (both arms are the same code).
-
-In Triton's interpreter bf16 operands are upcast to fp32 before ``tl.dot`` (its bf16 dot is
-wrong). Explained in notebooks/02_mma_attention.ipynb.
+The interpreter upcasts bf16 operands to fp32 (its bf16 ``tl.dot`` is wrong). Explained in
+notebooks/02_mma_attention.ipynb.
 """
 from typing import NamedTuple
 
@@ -56,19 +42,15 @@ FP8_ROW_BYTES = 584      # 448 e4m3 + 64 bf16 + 7 ue8m0 scales + 1 pad
 FP8_DIM = 512
 
 
-# ----------------------------------------------------------------------------------------
-# Gathering a tile of latent rows (bf16 as is; the FP8 cache dequantised)
-# ----------------------------------------------------------------------------------------
+# ---- gathering a tile of latent rows (bf16 as is; the FP8 cache dequantised) ---------------
 
 @triton.jit
 def _gather_kv_raw(kv_ptr, rows, valid, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    FP8: tl.constexpr, KDTYPE: tl.constexpr, FP8_WORD: tl.constexpr = False):
-    """Issue the loads of the latent rows ``rows`` ([BLOCK_N], int64): the bf16 tile, or the
-    FP8 cache's raw parts (e4m3 bytes [N, 8, 64], scale bytes [N, 8, 1] or one scale word
-    [N, 1, 1], bf16 RoPE [N, 1, 64])."""
+    """Issue the loads of latent rows ``rows`` (int64): the bf16 tile, or the FP8 cache's e4m3
+    bytes [N, 8, 64], scales (bytes [N, 8, 1] or a word [N, 1, 1]) and bf16 RoPE [N, 1, 64]."""
     if FP8:
-        # the 512 values as 8 groups of 64: groups 0..6 are e4m3 (a scale each), group 7 the
-        # bf16 RoPE part
+        # 8 groups of 64 values: 0..6 e4m3 (a scale each), 7 the bf16 RoPE part
         j = tl.arange(0, 8)[None, :, None]
         c = tl.arange(0, 64)[None, None, :]
         base = rows[:, None, None] * 584
@@ -103,16 +85,14 @@ def _dequant_kv(b, sb, rope, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: 
     if FP8:
         j = tl.arange(0, 8)[None, :, None]
         if FP8_WORD:
-            # byte j of the little-endian word is group j's scale; dequantise in fp32 (exact:
-            # e4m3 and 2^(s-127) are fp32 values, so is their product), round once
+            # byte j of the word is group j's scale; the fp32 product is exact, rounded once
             sbi = ((sb >> (j * 8).to(tl.int64)) & 0xFF).to(tl.int32)            # [N, 8, 1]
             x = b.to(tl.float8e4nv, bitcast=True)
             sc = (sbi << 23).to(tl.float32, bitcast=True)
             val = x.to(tl.float32) * sc
         elif FP8_HW:
             sbi = sb.to(tl.int32) & 0xFF
-            # hardware e4m3 conversion; the scale 2^(s-127) is the fp32 with exponent s
-            # (s = 0, a block with amax < 2^-118, reads as 0)
+            # hardware e4m3 conversion; the scale 2^(s-127) is the fp32 of exponent s (0: 0)
             x = b.to(tl.float8e4nv, bitcast=True)
             sc = (sbi << 23).to(tl.float32, bitcast=True)
             if BF16_MATH:
@@ -121,8 +101,7 @@ def _dequant_kv(b, sb, rope, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: 
                 val = x.to(tl.float32) * sc
         else:
             sbi = sb.to(tl.int32) & 0xFF
-            # e4m3 -> fp16 by moving bits: sign to bit 15, exponent+mantissa to bits 7..13;
-            # the fp16 value is the e4m3 value * 2^-8 (normals and subnormals alike)
+            # e4m3 -> fp16 by moving bits (sign to 15, exponent+mantissa to 7..13): value * 2^-8
             bi = b.to(tl.int32)
             h16 = (((bi & 0x80) << 8) | ((bi & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
             val = h16.to(tl.float32) * tl.exp2(sbi.to(tl.float32) - 119.0)   # * 2^8 * 2^(s-127)
@@ -149,9 +128,7 @@ def _tile_slots(idx_row, n0, end, BLOCK_N: tl.constexpr):
     return tl.load(idx_row + offs, mask=offs < end, other=-1)
 
 
-# ----------------------------------------------------------------------------------------
-# One tile of the online softmax
-# ----------------------------------------------------------------------------------------
+# ---- one tile of the online softmax --------------------------------------------------------
 
 @triton.jit
 def _softmax_step(s, m_i, l_i):
@@ -166,8 +143,7 @@ def _softmax_step(s, m_i, l_i):
 @triton.jit
 def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, KDTYPE: tl.constexpr,
                  DOT_PREC: tl.constexpr, SPLIT_QK: tl.constexpr, live):
-    """S = Q K^T, the online softmax, acc += P V -> (m_i, l_i, acc). ``SPLIT_QK``: the softmax
-    in both arms of a branch on ``live`` (always true), see the module docstring."""
+    """S = Q K^T, online softmax, acc += P V -> (m_i, l_i, acc); ``live`` is always true."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     if SPLIT_QK:
@@ -182,9 +158,7 @@ def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, KDTYPE: tl.constexpr,
     return m_i, l_i, acc
 
 
-# ----------------------------------------------------------------------------------------
-# The kernel: one program per (query position, split, head block)
-# ----------------------------------------------------------------------------------------
+# ---- the kernel: one program per (query position, split, head block) -----------------------
 
 @triton.jit
 def _sparse_mla_mma_kernel(
@@ -201,8 +175,7 @@ def _sparse_mla_mma_kernel(
         gdc_launch_dependents()
     if EVICT_KV:    # the row gathers' cp.async under an L2 evict-first policy (l2_hint.py)
         l2_hint.mark_tl()
-    # program -> (head block, split, query position); head blocks of one query are
-    # neighbours, so they gather the same rows at about the same time (L2 hits)
+    # program -> (head block, split, query position); a query's head blocks run together (L2)
     pid = tl.program_id(0)
     hb = pid % n_hblk
     rest = pid // n_hblk
@@ -229,8 +202,7 @@ def _sparse_mla_mma_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     start = sp * split_rows
     end = tl.minimum(start + split_rows, topk)
-    # skip the trailing -1 tiles (an all -1 tile adds nothing: p = 0, alpha = 1); a branch
-    # around the loop body instead would stop Triton pipelining the gathers
+    # drop the -1 tail here: a branch around the loop body would stop the gathers' pipelining
     idx_row = idx_ptr + bs * topk
     end = trim_tail(idx_row, start, end, SCAN_N)
     if PIPE_GATHER:
@@ -282,9 +254,7 @@ def _sparse_mla_mma_kernel(
         tl.store(lse_ptr + orow, lse, mask=h_mask)
 
 
-# ----------------------------------------------------------------------------------------
-# Split-KV: merging the partials
-# ----------------------------------------------------------------------------------------
+# ---- split-KV: merging the partials --------------------------------------------------------
 
 @triton.jit
 def _combine_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, num_splits,
@@ -329,8 +299,7 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
                           DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_HC: tl.constexpr, HAS_SINK: tl.constexpr,
                           PDL: tl.constexpr = False):
-    """:func:`_combine_kernel` for BLOCK_HC heads a program (many queries: one program a head
-    would start thousands of tiny programs)."""
+    """:func:`_combine_kernel` for BLOCK_HC heads a program (for many queries)."""
     if PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -370,9 +339,8 @@ def _combine_heads_kernel(opart_ptr, lpart_ptr, sink_ptr, out_ptr, lse_ptr, H, n
 
 
 def combine_launch(B, S_q, H, d_v, splits, *, has_sink, pdl, sm_count):
-    """(kernel, grid, constexprs and options) of the split-KV combine: 8 heads a program where
-    one a head would start thousands of small programs, one a head with few queries (its loop
-    then carries no reduction)."""
+    """(kernel, grid, constexprs and options) of the split-KV combine: 8 heads a program for
+    many queries (else thousands of tiny programs), one head a program for few."""
     consts = dict(DV=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
                   BLOCK_S=max(2, triton.next_power_of_2(splits)), HAS_SINK=has_sink,
                   num_warps=4)
@@ -386,8 +354,7 @@ def combine_launch(B, S_q, H, d_v, splits, *, has_sink, pdl, sm_count):
 
 
 def combine_plan(device, B, S_q, H, d_v, splits, *, has_sink, pdl, sm_count) -> Launch:
-    """The split-KV combine of one plan as a :class:`~dsv4lab.kernels.launch.Launch`; its
-    per-call arguments are (opart, lpart, sink or any fp32 tensor, out, lse)."""
+    """The combine as a :class:`Launch` of (opart, lpart, sink or any fp32 tensor, out, lse)."""
     kernel, grid, consts = combine_launch(B, S_q, H, d_v, splits, has_sink=has_sink, pdl=pdl,
                                           sm_count=sm_count)
     options = {k: consts.pop(k) for k in ("num_warps", "launch_pdl") if k in consts}
@@ -396,29 +363,22 @@ def combine_plan(device, B, S_q, H, d_v, splits, *, has_sink, pdl, sm_count) -> 
 
 
 def combine_splits(opart, lpart, sink, out, lse, splits, pdl=False):
-    """Launch the split-KV combine: partials ``opart`` [B*S_q, splits, H, d_v] (q's dtype, or
-    fp32) and base-2 lse ``lpart`` [B*S_q, splits, H] -> ``out`` [B, S_q, H, d_v], ``lse``
-    (with the sink, fp32 [H] or None). ``pdl``: launched as a programmatic dependent launch of
-    the split kernel, which must have been launched with its PDL flag (sm_90+, ``pdl_ok``)."""
+    """Merge ``opart`` [B*S_q, splits, H, d_v] and base-2 ``lpart`` [B*S_q, splits, H] into
+    ``out`` [B, S_q, H, d_v] and ``lse``, adding ``sink`` (fp32 [H] or None). ``pdl``: as a
+    programmatic dependent launch of a split kernel launched with its PDL flag."""
     B, S_q, H, d_v = out.shape
     combine_plan(out.device, B, S_q, H, d_v, splits, has_sink=sink is not None, pdl=pdl,
                  sm_count=props(out.device).sm_count)(
         opart, lpart, sink if sink is not None else lse, out, lse)
 
 
-# ----------------------------------------------------------------------------------------
-# The launcher
-# ----------------------------------------------------------------------------------------
+# ---- the launcher --------------------------------------------------------------------------
 
 class Config(NamedTuple):
-    """A launch configuration of :func:`sparse_mla_mma` (kernels/attention/dispatch.py picks one).
-
-    ``block_n`` rows a tile, ``num_warps``, ``num_stages``, ``block_h`` heads a program
-    (capped by H; 64 stacks all of DeepSeek-V4's heads, 32 / 16 give 2 / 4 programs a query
-    that share each tile through the L2); ``pipe_gather``: the PIPE_GATHER loop (and the FP8
-    scales as one word a row); ``split_qk``: SPLIT_QK; ``pdl``: the combine launched as a
-    programmatic dependent launch (sm_90+, split-KV launches only); ``evict_kv``: the row
-    gathers under an L2 evict-first policy (l2_hint.py)."""
+    """A launch configuration of :func:`sparse_mla_mma` (dispatch.py picks one): ``block_n``
+    rows a tile; ``block_h`` heads a program (capped by H; 32 / 16: 2 / 4 programs a query
+    sharing each tile via the L2); ``pdl``: the combine as a programmatic dependent launch
+    (sm_90+); ``evict_kv``: the row gathers under an L2 evict-first policy (l2_hint.py)."""
     block_n: int
     num_warps: int
     num_stages: int
@@ -454,8 +414,7 @@ def split_rows(splits: int, topk: int) -> tuple[int, int]:
 
 def kernel_constexprs(config: Config, *, D, d_v, q_dtype, fp8, fp8_hw, split, has_sink, pdl,
                       evict, word_aligned, interp=False) -> dict:
-    """The kernel's constexprs and launch options for one launch of :func:`sparse_mla_mma`
-    (dispatch.offline_cases compiles the same)."""
+    """Constexprs and launch options of one :func:`sparse_mla_mma` launch (as compiled offline)."""
     block_d = max(16, triton.next_power_of_2(D))      # tl.dot needs K >= 16
     v_from_k = max(16, triton.next_power_of_2(d_v)) == block_d or fp8
     upcast = interp and q_dtype == torch.bfloat16     # the interpreter's bf16 dot is wrong
@@ -474,10 +433,9 @@ def kernel_constexprs(config: Config, *, D, d_v, q_dtype, fp8, fp8_hw, split, ha
 
 
 class SplitLaunches:
-    """A sparse MLA kernel's launch and, when split, the combine's, as :class:`Launch` es with
-    the output shapes and the partials' sizes (``main``, ``combine``, ``out_shape``,
-    ``lse_shape``, ``partials``, set by a subclass). Calling it allocates the outputs, takes
-    the partials from the stream's workspace and launches."""
+    """A sparse MLA kernel's launch and, when split, the combine's (``main``, ``combine``,
+    ``out_shape``, ``lse_shape``, ``partials``: set by a subclass). A call allocates the
+    outputs, takes the partials from the stream's workspace and launches."""
 
     def _make_partials(self, device):
         _, n_o, dtype, n_l = self.partials
@@ -499,8 +457,7 @@ class SplitLaunches:
 
 
 class MmaLaunches(SplitLaunches):
-    """The launches of :func:`sparse_mla_mma` for one device, shape and configuration, worked
-    out once."""
+    """The launches of :func:`sparse_mla_mma` for one device, shape and config, made once."""
 
     def __init__(self, device, B, S_q, H, D, d_v, topk, q_dtype, config: Config, *, fp8,
                  splits, rows_per_split, has_sink, word_aligned, fp8_hw):
@@ -545,14 +502,10 @@ def mma_launches(device, B, S_q, H, D, d_v, topk, q_dtype, config: Config, *, fp
 
 def sparse_mla_mma(q, kv, indices, sink, scale, d_v, config: Config, *, fp8=False,
                    num_splits=None, fp8_hw=None):
-    """Launch the kernel (and the combine when split).
-
-    q [B, S_q, H, D]; kv [N, D] in q's dtype, or uint8 [N, 584] with ``fp8``; indices int32
-    [B, S_q, topk]; sink fp32 [H] or None -> (out [B, S_q, H, d_v] q.dtype, lse fp32).
-    ``num_splits``: split-KV ranges (default :func:`plan_splits` for the device's SMs);
-    ``fp8_hw``: the FP8 dequant path (default: the hardware conversion on sm_89+ and in the
-    interpreter, the bit moves before). The launches are planned once per device, shape and
-    configuration (:func:`mma_launches`)."""
+    """Launch the kernel (and the combine when split) -> (out [B, S_q, H, d_v], lse fp32).
+    q [B, S_q, H, D]; kv [N, D] in q's dtype or uint8 [N, 584] (``fp8``); indices int32
+    [B, S_q, topk]; sink fp32 [H] or None. ``num_splits`` default: :func:`plan_splits`;
+    ``fp8_hw`` default: the hardware conversion on sm_89+ and in the interpreter."""
     B, S_q, H, D = q.shape
     topk = indices.shape[-1]
     dev = q.device

@@ -1,18 +1,14 @@
 """Sparse MLA decode, lesson 1: one program per (query position, head), on the CUDA cores.
 
-Each program owns one query head of one query position. It walks that query's ``topk``
-selected cache slots in blocks of ``BLOCK_N``, gathers those latent rows, and computes the dot
-products and the weighted sum with elementwise multiplies and reductions, keeping an online
-softmax (running max, running sum) in fp32. Nothing is shared between heads, so every selected
-row is fetched once per head: with DeepSeek-V4's 64 heads that is 64x the bytes the attention
-needs, and the tensor cores sit idle. notebooks/01_simt_baseline.ipynb measures what that
-costs; lesson 2 (``mma.py``) is the fix.
+Each program walks its query's ``topk`` selected slots in blocks of ``BLOCK_N``, gathers those
+latent rows, and computes the dots and the weighted sum with elementwise multiplies and
+reductions, keeping an online softmax (running max and sum, fp32). Nothing is shared between
+heads, so with DeepSeek-V4's 64 heads every row is fetched 64 times and the tensor cores sit
+idle (notebooks/01_simt_baseline.ipynb); lesson 2 (``mma.py``) is the fix.
 
-Conventions both lessons share: scores are kept in base 2 (``q.k * scale * log2(e)``, then
-``exp2``); slot -1 adds nothing and a duplicate slot counts twice; an attention sink adds
-``exp(sink[h])`` to the denominator only; ``lse`` is the natural log of the denominator (-inf
-for a row with nothing to attend to and no sink). Both use :func:`trim_tail`, which cuts a
-list's -1 tail so that it costs no tile.
+Both lessons: scores in base 2 (``q.k * scale * log2(e)``, then ``exp2``); slot -1 adds nothing,
+a duplicate counts twice; a sink adds ``exp(sink[h])`` to the denominator only; ``lse`` is the
+natural log of the denominator (-inf for nothing to attend to and no sink).
 """
 import torch
 import triton
@@ -25,10 +21,8 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def trim_tail(idx_ptr, start, end, SCAN_N: tl.constexpr):
-    """One past the last valid (>= 0) slot of ``idx_ptr[start:end]`` (``start`` if none),
-    scanning back from ``end`` ``SCAN_N`` slots at a time. A dense list costs one load; a long
-    list that is mostly a -1 tail (a ratio-128 layer's max-context list) is cut to its valid
-    part, so the main loop never sees the dead tiles."""
+    """One past the last valid slot of ``idx_ptr[start:end]`` (``start`` if none), scanning back
+    ``SCAN_N`` slots at a time: a list's -1 tail costs no tile (a dense list, one load)."""
     last = tl.zeros([], tl.int32) + (start - 1)
     hi = end
     while (hi > start) & (last < start):

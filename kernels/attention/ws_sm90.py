@@ -1,38 +1,24 @@
 """Sparse MLA decode, warp-specialised for sm_90 (Gluon): the gathers and the math overlap.
 
-Lesson 2's kernel (``mma.py``) runs every step of a tile (gather the rows, Q K^T, softmax,
-P V) in the same warps, one after the other: from the L2 it is barely faster than from HBM, so
-its chain of math, not memory, sets its pace. This kernel gives each job its own warps
-(Triton's Gluon dialect exposes shared memory, mbarriers, ``cp.async`` and ``wgmma``):
+Lesson 2's kernel (``mma.py``) runs every step of a tile in the same warps, one after the
+other, so its chain of math, not memory, sets its pace. Here each job has its own warps:
 
-* a **producer** warp group gathers tile after tile of 32 selected latent rows by ``cp.async``
-  into a ring of shared-memory buffers (four for bf16), signalling each full buffer on an
-  mbarrier, and waits only for a buffer both consumers have released;
-* two **consumer** warp groups, in a **seesaw**: consumer w owns tiles 2j + w. It computes
-  their full scores Q K^T, runs their softmax, publishes P (bf16) with the row maxima it is
-  relative to and its fp32 row sums, and accumulates its half of d_v (a [64, 256] fp32
-  accumulator) over *both* tiles of the pair, rescaling the other consumer's P to its own
-  running max as it arrives. Each consumer keeps a complete online-softmax state, the two meet
-  only through the P buffers, and one's softmax runs while the other's matmuls do.
+* a **producer** warp group gathers tiles of 32 latent rows by ``cp.async`` into a ring of
+  shared-memory buffers (four for bf16), signalling each on an mbarrier;
+* two **consumer** warp groups in a **seesaw**: consumer w owns tiles 2j + w, computes their
+  scores and softmax, publishes P (bf16) with its row maxima and fp32 row sums, and
+  accumulates its half of d_v ([64, 256] fp32) over *both* tiles of the pair, rescaling the
+  other's P to its own running max. One's softmax runs while the other's matmuls do.
 
-The FP8 cache: the producer copies tile i + 1's raw 584-byte rows by ``cp.async`` into one of
-two staging slots while it dequantises tile i from the other into its ring buffer (e4m3 to
-fp32, times the group's power of two, to bf16: exact), so the consumers run the bf16 code
-unchanged. The staging takes a ring buffer's shared memory: FP8 runs three. At 64 heads FP8
-decode is bound by the bf16 tensor cores, not by bytes (224 FLOP a byte against the H200's
-ridge of 168), and at large batch the consumers' lazy rescale (``LAZY_SS``) helps it: the held
-max moves, and the two [64, 256] rescales of a pair run, only once a head's scores exceed it
-by 2^8.
+FP8 cache: the producer stages tile i + 1's raw rows by ``cp.async`` while it dequantises tile
+i into its ring buffer (exact, to bf16), so the consumers run the bf16 code; the staging takes
+one ring buffer. At large batch the lazy rescale (``LAZY_SS``) moves the held max only once a
+head's scores exceed it by 2^8. Split-KV partials go to lesson 2's :func:`combine_splits` (a
+programmatic dependent launch). Gluon constexprs do not reach the partitions: they read
+BLOCK_N and the ring depth off their buffers' shapes.
 
-Split-KV partials (normalised output in q's dtype, base-2 log-sum-exp) are merged by lesson
-2's :func:`combine_splits`, launched as a programmatic dependent launch that this kernel lets
-start at once. The KV gathers take the L2 evict-first policy at S_q = 1 (l2_hint.py). Gluon
-constexprs do not cross into the warp-specialised partitions: they read BLOCK_N and the ring's
-depth off their buffers' shapes.
-
-Scope: bf16 (or fp16) q and cache, or bf16 q and the FP8 cache; 64 heads, D = d_v = 512; the
-H200 (sm_90) with Triton 3.6, the only GPU and release it has run on (dispatch.py).
-Explained in notebooks/02_mma_attention.ipynb.
+Scope: bf16/fp16 q and cache or bf16 q and the FP8 cache; 64 heads, D = d_v = 512; sm_90 with
+Triton 3.6 (dispatch.py). Explained in notebooks/02_mma_attention.ipynb.
 """
 import torch
 import triton
@@ -60,8 +46,7 @@ STORE_SCRATCH = 3856            # the output store's layout conversion (sm_90, T
 
 @gluon.jit
 def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr):
-    """One past the last valid slot of ``idx_row[start:end]`` (``start`` if none): the -1
-    tail of a long list costs no tile (lesson 1's ``trim_tail``)."""
+    """Lesson 1's ``trim_tail``: one past the last valid slot of ``idx_row[start:end]``."""
     layout: gl.constexpr = gl.BlockedLayout([SCAN_N // (32 * num_warps)], [32], [num_warps], [0])
     last = start - 1
     hi = end
@@ -73,14 +58,11 @@ def _trim_end(idx_row, start, end, SCAN_N: gl.constexpr, num_warps: gl.constexpr
     return last + 1
 
 
-# ----------------------------------------------------------------------------------------
-# The epilogue: this consumer's half of each output row
-# ----------------------------------------------------------------------------------------
+# ---- the epilogue: this consumer's half of each output row ---------------------------------
 
 @triton.constexpr_function
 def _row_store_layout():
-    """[64, 256] with 8 consecutive columns a thread, warp w keeping the wgmma accumulator's
-    rows 16 w .. 16 w + 15."""
+    """[64, 256], 8 consecutive columns a thread; warp w holds accumulator rows 16w..16w+15."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0], [0, 32], [0, 64], [0, 128]],
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
@@ -89,9 +71,8 @@ def _row_store_layout():
 
 @gluon.jit
 def _store_rows(ptr, rows, v, W: gl.constexpr):
-    """Store consumer W's half (columns W * 256 ..) of the 16-bit rows ``rows``, 16 bytes a
-    thread: from the accumulator's layout a thread holds 2 consecutive columns, and a warp's
-    store would write half of every 32-byte sector it touches."""
+    """Store consumer W's half of the 16-bit rows ``rows``, 16 bytes a thread (from the
+    accumulator's layout a warp would write half of each 32-byte sector)."""
     st: gl.constexpr = _row_store_layout()
     v = gl.convert_layout(v, st)
     r = gl.convert_layout(rows, gl.SliceLayout(1, st))
@@ -102,8 +83,7 @@ def _store_rows(ptr, rows, v, W: gl.constexpr):
 @gluon.jit
 def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
               has_sink, split, W: gl.constexpr):
-    """This consumer's half of each output row (lse from consumer 0): the output with the sink,
-    or (``split``) the split partial for the combine."""
+    """This consumer's half of each output row with the sink, or (``split``) of the partial."""
     o_layout: gl.constexpr = acc.type.layout
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_layout))
@@ -130,9 +110,7 @@ def _epilogue(acc, m_i, l_i, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, p
             gl.store(lpart_ptr + prow + h, lse2)
 
 
-# ----------------------------------------------------------------------------------------
-# The producer: Q once, then the ring of KV tiles
-# ----------------------------------------------------------------------------------------
+# ---- the producer: Q once, then the ring of KV tiles ---------------------------------------
 
 @gluon.jit
 def _load_q(q_row, q_smem, q_bar):
@@ -147,8 +125,7 @@ def _load_q(q_row, q_smem, q_bar):
 
 @gluon.jit
 def _slots(idx_row, start, end, tile, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """The cache rows of tile ``tile``'s slots of the range (-1 past ``end``), laid out as
-    ``layout`` (a slice layout of the tensor they address)."""
+    """Tile ``tile``'s cache rows (-1 past ``end``) in ``layout``."""
     offs = start + tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
     return gl.load(idx_row + offs, mask=offs < end, other=-1)
 
@@ -162,8 +139,7 @@ def _tile_count(start, end, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars, qk_scale,
               sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink, split):
-    """4 warps: Q once, then the KV ring (cp.async; a buffer is refilled once both consumers
-    released it). The next tile's indices are loaded before the wait for its buffer."""
+    """4 warps: Q once, then the KV ring (a buffer refilled once both consumers released it)."""
     q_bar, kv_ready, kv_empty, p_ready, p_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
@@ -188,9 +164,8 @@ def _producer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_sme
 
 @gluon.jit
 def _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, slot):
-    """Start copying the FP8 rows ``idx`` ([BLOCK_N]; -1: zero-filled) into staging slot
-    ``slot``: the seven 64-byte e4m3 groups and the bf16 RoPE part, 8-byte cp.async (a
-    584-byte row starts 8-byte aligned), committed as one group."""
+    """Start the cp.async of FP8 rows ``idx`` (-1: zero-filled) into staging slot ``slot``:
+    seven e4m3 groups and the bf16 RoPE part, committed as one group."""
     valid = idx >= 0
     row = gl.where(valid, idx, 0).to(gl.int64)[:, None]
     m = valid[:, None]
@@ -204,8 +179,7 @@ def _stage_fp8(kv_ptr, idx, c, nope_stage, rope_stage, slot):
 
 @gluon.jit
 def _scale_words(kv_ptr, idx):
-    """The eight scale bytes (576..583) of each FP8 row as one int64 (byte j: group j's ``s``,
-    its scale 2^(s - 127)); 0 for a -1 slot."""
+    """Each FP8 row's scale bytes 576..583 as one int64 (byte j: group j's); 0 for slot -1."""
     valid = idx >= 0
     words = kv_ptr.to(gl.pointer_type(gl.int64))
     return gl.load(words + gl.where(valid, idx, 0).to(gl.int64) * (FP8_ROW // 8) + 72, mask=valid,
@@ -214,9 +188,7 @@ def _scale_words(kv_ptr, idx):
 
 @gluon.jit
 def _store_group(tile, raw, sw, j: gl.constexpr):
-    """Group j (columns 64 j ..) of a ring tile from its e4m3 bytes ``raw`` [BLOCK_N, 64] and
-    the rows' scale words: e4m3 to fp32, times 2^(s - 127), rounded once to the tile's dtype
-    (both exact)."""
+    """Group j of a ring tile from e4m3 ``raw`` [BLOCK_N, 64] and scale words ``sw`` (exact)."""
     scale = (((sw >> (8 * j)) & 0xFF) << 23).to(gl.int32).to(gl.float32, bitcast=True)
     val = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
     tile.slice(64 * j, 64, dim=1).store(val.to(tile.dtype))
@@ -224,8 +196,7 @@ def _store_group(tile, raw, sw, j: gl.constexpr):
 
 @gluon.jit
 def _publish(tile_ready):
-    """The producer's plain shared-memory stores of a tile made visible to the consumers'
-    wgmma (the async proxy), then the tile signalled once every producer thread is done."""
+    """Fence the producer's stores for the consumers' wgmma, then signal the tile."""
     fence_async_shared()
     cta_barrier()
     mbarrier.arrive(tile_ready, count=1)
@@ -235,10 +206,8 @@ def _publish(tile_ready):
 def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars,
                   qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow,
                   has_sink, split, nope_stage, rope_stage):
-    """4 warps, the FP8 cache: tile i + 1's raw rows travel by cp.async into a staging slot
-    while tile i is dequantised from the other slot into its ring buffer with plain
-    shared-memory stores, fenced for the consumers' wgmma before the ready signal. The slots'
-    indices are loaded two tiles ahead, so no copy waits for its addresses."""
+    """4 warps, the FP8 cache: tile i + 1 staged by cp.async while tile i is dequantised into
+    its ring buffer; indices are loaded two tiles ahead, so no copy waits for its addresses."""
     q_bar, kv_ready, kv_empty, p_ready, p_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
@@ -271,30 +240,24 @@ def _producer_fp8(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m
     async_copy.wait_group(0)                      # the last (all -1) group, before exit
 
 
-# ----------------------------------------------------------------------------------------
-# The seesaw consumers
-# ----------------------------------------------------------------------------------------
+# ---- the seesaw consumers ------------------------------------------------------------------
 
 @triton.constexpr_function
 def _wgmma_layout(n):
-    """One consumer warp group's wgmma accumulator layout for [64, n] (the scores: n =
-    BLOCK_N; its output half: n = 256)."""
+    """A consumer's wgmma accumulator layout for [64, n] (scores: BLOCK_N; output: 256)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
 def _max_grew(m_i, m_seen):
-    """The lazy rescale's test: some head's ``m_seen`` exceeds its held max ``m_i`` by more
-    than LAZY_SLACK (base 2). One warp-group reduction, so the whole group branches alike."""
+    """Whether some head's ``m_seen`` exceeds its held max by LAZY_SLACK (one group branch)."""
     return gl.max(gl.where(m_seen > m_i + LAZY_SLACK, 1, 0), axis=0) > 0
 
 
 @gluon.jit
 def _next_max(m_i, m_seen, LAZY: gl.constexpr):
-    """The next running max from the maxima ``m_seen`` of scores taken in, and whether it moved
-    (so acc must be rescaled). Eager: always max(m_i, m_seen). LAZY: only once some head's
-    ``m_seen`` exceeds ``m_i`` by more than LAZY_SLACK (:func:`_max_grew`); P then stays <= 2^8
-    relative to the held max (a peer's, rescaled to it, <= 2^16), far inside bf16 and fp32."""
+    """(next running max, whether it moved: acc to rescale). LAZY: only on :func:`_max_grew`;
+    P then stays <= 2^8 (a peer's, rescaled, <= 2^16), far inside bf16 and fp32."""
     if LAZY:
         grow = _max_grew(m_i, m_seen)
         return gl.where(grow, gl.maximum(m_i, m_seen), m_i), grow
@@ -306,8 +269,7 @@ def _next_max(m_i, m_seen, LAZY: gl.constexpr):
 def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_smem, bars,
               qk_scale, sink_ptr, out_ptr, lse_ptr, opart_ptr, lpart_ptr, prow, orow, has_sink,
               split, W: gl.constexpr):
-    """Consumer W: tiles 2j + W's scores and softmax, P published with its row maxima and
-    sums; its half of d_v accumulated over both tiles of each pair."""
+    """Consumer W: tiles 2j + W's softmax published; its half of d_v over both of a pair."""
     q_bar, kv_ready, kv_empty, p_ready, p_free = bars
     NUM_BUF: gl.constexpr = kv_smem.type.shape[0]
     BLOCK_N: gl.constexpr = kv_smem.type.shape[1]
@@ -345,9 +307,7 @@ def _consumer(q_row, kv_ptr, idx_row, start, end, q_smem, kv_smem, p_smem, m_sme
         m_i = m_new
         if grow:
             acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-        # publish P, the max it is relative to and its fp32 row sums (the sums of the rounded
-        # P would put a bf16 rounding into the other consumer's log-sum-exp); two buffers a
-        # side, the reader frees one
+        # publish P, its max and its fp32 row sums (not the rounded P's); two buffers a side
         mine = W * 2 + par
         mbarrier.wait(p_free.index(mine), ((j // 2) & 1) ^ 1)
         p_smem.index(mine).store(p)
@@ -428,12 +388,10 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
                                        gl.NVMMASharedLayout.get_default_for([HEADS, DIM], dtype))
     kv_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, DIM],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, DIM], dtype))
-    # the P exchange, bf16 [4, 64, BLOCK_N], swizzled so that the 16-byte rows of an 8 x 8
-    # stmatrix / ldmatrix block fall in distinct banks
+    # the P exchange, swizzled: an 8 x 8 stmatrix / ldmatrix block's rows in distinct banks
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [4, HEADS, BLOCK_N], p_layout)
-    # the row maxima [0:4] and fp32 row sums [4:8] that go with each P buffer; a ninth (unused)
-    # row tells the consumers LAZY_SS, as no constexpr reaches them
+    # each P buffer's row maxima [0:4] and sums [4:8]; a ninth row tells consumers LAZY_SS
     m_smem = gl.allocate_shared_memory(gl.float32, [8 + LAZY_SS, HEADS],
                                        gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -468,30 +426,26 @@ def _sparse_mla_ws_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, lse_ptr, op
 
 
 def ring_buffers(fp8: bool) -> int:
-    """Ring buffers of 32-row tiles: four for bf16; three with the FP8 staging beside them."""
+    """Ring buffers of 32-row tiles: four for bf16, three beside the FP8 staging."""
     return 3 if fp8 else 4
 
 
 def smem_bytes(fp8: bool, lazy: bool = False) -> int:
-    """Shared memory of a launch: Q, the ring, the P exchange and its row maxima and sums (and
-    the LAZY_SS row), the FP8 staging, the output store's conversion scratch."""
+    """Shared memory of a launch: Q, ring, P exchange and its rows, FP8 staging, store scratch."""
     staging = 2 * BLOCK_N * (7 * 64 + 64 * 2) if fp8 else 0
     return (64 * 512 * 2 + ring_buffers(fp8) * BLOCK_N * 512 * 2 + 4 * 64 * BLOCK_N * 2
             + (8 + int(lazy)) * 64 * 4 + staging + STORE_SCRATCH)
 
 
 def kernel_constexprs(*, fp8, split, has_sink, pdl, lazy, evict) -> dict:
-    """The kernel's constexprs and launch options for one launch of :func:`sparse_mla_ws`
-    (dispatch.offline_cases compiles the same): 168 registers a thread at launch, the
-    consumers 232 after setmaxnreg, the producer 40."""
+    """Constexprs and launch options of one :func:`sparse_mla_ws` launch (as compiled offline)."""
     return dict(BLOCK_N=BLOCK_N, NUM_BUF=ring_buffers(fp8), HAS_SINK=has_sink, SPLIT=int(split),
                 SCAN_N=512, PRODUCER_REGS=40, CONSUMER_REGS=232, FP8=fp8, num_warps=4,
                 maxnreg=168, PDL=pdl, LAZY_SS=lazy, EVICT_KV=evict)
 
 
 class WsLaunches(SplitLaunches):
-    """The launches of :func:`sparse_mla_ws` for one device, shape and plan, worked out once:
-    the kernel and, when split, lesson 2's combine."""
+    """The launches of :func:`sparse_mla_ws` (and lesson 2's combine) for one shape, made once."""
 
     def __init__(self, device, B, S_q, q_dtype, topk, *, fp8, splits, split_rows, has_sink,
                  lazy, evict_kv):
@@ -528,12 +482,8 @@ def ws_launches(device, B, S_q, q_dtype, topk, *, fp8, splits, split_rows, has_s
 
 
 def sparse_mla_ws(q, kv, indices, sink, scale, splits, split_rows, *, lazy=False, evict_kv=False):
-    """Launch the warp-specialised kernel (and lesson 2's combine when split).
-
-    q [B, S_q, 64, 512] bf16/fp16, kv [N, 512] in q's dtype or (bf16 q) the FP8 cache uint8
-    [N, 584], indices int32 [B, S_q, topk], sink fp32 [64] or None; ``splits`` / ``split_rows``
-    as ``mma.plan_splits`` plans them; ``lazy``: the consumers' lazy rescale; ``evict_kv``: the
-    KV gathers under the L2 evict-first policy -> (out [B, S_q, 64, 512], lse fp32)."""
+    """Launch the kernel (and the combine when split); arguments as ``mma.sparse_mla_mma``'s
+    at 64 heads x 512, ``splits`` / ``split_rows`` as ``mma.plan_splits`` plans them."""
     B, S_q, H, D = q.shape
     return ws_launches(q.device, B, S_q, q.dtype, indices.shape[-1], fp8=kv.dtype == torch.uint8,
                        splits=splits, split_rows=split_rows, has_sink=sink is not None,

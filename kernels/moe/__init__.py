@@ -2,8 +2,6 @@
 
 - :mod:`.align`: grouping (token, expert) pairs by expert, on the device;
 - :mod:`.triton_moe`: the lesson kernel, portable Triton (notebooks/04_mxfp4_moe_port.ipynb);
-- :mod:`.mma_sm90`, :mod:`.gemv_sm90`: the H200's fast paths (Gluon), sharing
-  :mod:`.gluon_shared`;
-- :mod:`.dispatch`: which of them runs where (``TABLES``), the lesson kernel's tiles and the
-  offline compile cases.
+- :mod:`.mma_sm90`, :mod:`.gemv_sm90`: the H200's Gluon fast paths (:mod:`.gluon_shared`);
+- :mod:`.dispatch`: which runs where, the lesson kernel's tiles, the offline compile cases.
 """

@@ -1,21 +1,16 @@
 """Grouping token-expert pairs by expert, without asking the host anything.
 
-A MoE layer with T tokens and top-k routing has P = T*k (token, expert) pairs, pair
-``p = t*k + j``. The expert GEMMs want the pairs of one expert next to each other, cut
-into blocks of at most BM rows, each block tagged with its expert:
+P = T*k (token, expert) pairs, pair ``p = t*k + j``, grouped by expert into blocks of at most
+BM rows:
 
     sorted_pair [P]        pair ids, grouped by expert (stable), invalid ids (-1) last
     block_expert [NB_MAX]  expert of block b, or -1 for the unused tail
     block_start [NB_MAX]   where block b starts in sorted_pair
     block_count [NB_MAX]   how many rows (1..BM) block b has
 
-The number of blocks is data dependent, but bounded: NB_MAX = min(P, E) + P // BM. The
-GEMM kernels are launched over NB_MAX blocks and the unused ones return at once, so no
-count ever travels back to the host and the whole MoE can be captured in a CUDA graph.
-
-Two implementations with the same output: a single-program Triton kernel for
-decode-sized P (a bitonic sort of keys ``expert * P_PAD + pair`` and a one-hot count),
-and a torch one (sort, scatter_add, cumsum, searchsorted: also sync-free) for prefill.
+The GEMMs launch over NB_MAX = min(P, E) + P // BM blocks, the unused ones return at once:
+no count reaches the host (CUDA-graph capturable). A single-program Triton kernel (sort of
+``expert * P_PAD + pair``, one-hot count) serves decode-sized P, torch ops prefill.
 """
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ def num_blocks_max(P: int, E: int, BM: int) -> int:
 
 @triton.jit
 def block_rows(block_start_ptr, block_count_ptr, sorted_pair_ptr, b, BM: tl.constexpr):
-    """Inside a GEMM kernel, block ``b``'s rows: (start in sorted_pair, row count, row
-    offsets [BM], which of them are real, their pair ids: 0 for the padding rows)."""
+    """Block ``b``'s rows: (start, count, offsets [BM], mask, pair ids (0 for padding))."""
     start = tl.load(block_start_ptr + b)
     cnt = tl.load(block_count_ptr + b)
     offs_m = tl.arange(0, BM)
@@ -95,8 +89,7 @@ _ALIGN: dict = {}
 
 
 def moe_align_triton(topk_ids: torch.Tensor, E: int, BM: int, out=None):
-    """Single-program grouping for decode-sized P (<= ALIGN_KERNEL_MAX_P). ``out``: the four
-    int32 buffers to write (a caller's workspace), else fresh ones."""
+    """Single-program grouping for decode-sized P, into ``out`` (four int32) or fresh buffers."""
     P = topk_ids.numel()
     if not align_kernel_fits(P):
         raise ValueError(f"moe_align_triton handles up to {ALIGN_KERNEL_MAX_P} pairs, got {P}")
@@ -123,8 +116,7 @@ def _align_launch(device, P, E, BM, nbm):
 
 
 def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int, out=None):
-    """The same grouping with torch ops (no host sync either); used for prefill-sized P
-    (``out`` is not used: torch allocates its results)."""
+    """The same grouping with torch ops (no host sync either) for prefill; ``out`` unused."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     P = flat.numel()
@@ -149,8 +141,7 @@ def moe_align_torch(topk_ids: torch.Tensor, E: int, BM: int, out=None):
 
 
 def moe_align(topk_ids: torch.Tensor, E: int, BM: int, out=None):
-    """``(sorted_pair, block_expert, block_start, block_count)``: Triton for small P (into
-    ``out`` when given), torch above."""
+    """``(sorted_pair, block_expert, block_start, block_count)``: Triton for small P, else torch."""
     if align_kernel_fits(topk_ids.numel()):
         return moe_align_triton(topk_ids, E, BM, out)
     return moe_align_torch(topk_ids, E, BM)

@@ -1,15 +1,11 @@
-"""Which kernel runs ``fused_moe`` on which GPU and shape, with which tiles: the MoE family's
-one dispatch table.
+"""Which kernel runs ``fused_moe`` on which GPU and shape, with which tiles.
 
-- :data:`TABLES`: the routes, first match wins. The two Gluon fast paths ran on the H200 only,
-  so their routes name exactly (9, 0); every other GPU, and Triton's interpreter, runs the
-  portable lesson kernel (:mod:`.triton_moe`), as does any shape the fast paths do not take.
-- :data:`TRITON_TILES`: the lesson kernel's tiles by rows per expert hit (``P / min(P, E)``:
-  1.0 at T <= 42 with top-6 of 256 experts, ~1.5 at T = 64, 6 at T = 256, 96 at T = 4096),
-  measured on the H200 and the default on every GPU (:data:`TUNED_TILES` holds tables tuned on
-  others, by capability; ``tools/tune_moe.py`` prints one); every entry fits the shared memory
-  of each target GPU (tests/test_portability.py), and :func:`tiles_for` trims the pipeline
-  where a device has less, so a first call launches without timing anything.
+- :data:`TABLES`: the routes, first match wins. The Gluon fast paths name the H200 (9, 0), the
+  only GPU they ran on; other GPUs, shapes and the interpreter run :mod:`.triton_moe`.
+- :data:`TRITON_TILES`: its tiles by rows per expert hit (``P / min(P, E)``: 1.0 at T <= 42
+  of top-6 over 256 experts, 6 at T = 256), measured on the H200 (:data:`TUNED_TILES`: tables
+  of other GPUs); :func:`tiles_for` trims the pipeline to a device's shared memory, so a first
+  call times nothing.
 - :func:`offline_cases`: the launches "auto" makes on a GPU, for compiling them offline.
 """
 from __future__ import annotations
@@ -67,16 +63,13 @@ TRITON_TILES = (
     (16.0, {"mxfp4": Tiles(BK1=128, BK2=128), "nvfp4": Tiles()}),
     (math.inf, {"mxfp4": _PREFILL, "nvfp4": _PREFILL}),
 )
-# Tables tuned on another GPU, by capability (tools/tune_moe.py prints an entry); TRITON_TILES
-# everywhere else.
+# tables tuned on other GPUs, by capability (tools/tune_moe.py prints one); else TRITON_TILES
 TUNED_TILES: dict[tuple[int, int], tuple] = {}
 
 
 def smem_bound(tiles: Tiles, fmt: str, props: DeviceProps) -> int:
-    """An upper bound on the shared memory (bytes) a gate/up or down program of ``tiles``
-    takes: the pipeliner keeps num_stages - 1 K-steps of weights, scales and x (or act)
-    tiles in flight, and on sm_90 and sm_100 one more x tile and its barriers (offline
-    compiles of every TRITON_TILES entry for sm_80 .. sm_120 stay under it)."""
+    """An upper bound on a program's shared memory (bytes): num_stages - 1 K-steps of
+    weights, scales and x in flight, plus an x tile and barriers on sm_90 and sm_100."""
     gs = 8 if fmt == "nvfp4" else 16                       # packed bytes a scale
     xbytes = 2 if tiles.XPRE else 4
     worst = 0
@@ -90,10 +83,7 @@ def smem_bound(tiles: Tiles, fmt: str, props: DeviceProps) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def tiles_for(T: int, topk: int, E: int, fmt: str, props: DeviceProps) -> Tiles:
-    """The lesson kernel's tiles for T tokens of top-``topk`` routing over E experts on
-    ``props``: the entry of its capability's table (:data:`TUNED_TILES`, else
-    :data:`TRITON_TILES`), with fewer pipeline stages where the device's shared memory per block
-    would not hold them."""
+    """The lesson kernel's tiles on ``props``, fewer stages where shared memory is short."""
     r = rows_per_expert(T, topk, E)
     table = TUNED_TILES.get(props.capability, TRITON_TILES)
     tiles = next(row[fmt] for bound, row in table if r <= bound)
@@ -103,8 +93,7 @@ def tiles_for(T: int, topk: int, E: int, fmt: str, props: DeviceProps) -> Tiles:
 
 
 def gluon_ok() -> bool:
-    """Whether the Gluon fast paths may run in this process: not under the interpreter, and a
-    Triton whose Gluon they are written for (kernels/device.py ``gluon_unsupported``)."""
+    """Whether the Gluon fast paths may run: no interpreter, a Triton with their Gluon."""
     return not interpreting() and gluon_unsupported() is None
 
 
@@ -131,12 +120,8 @@ _CALLS: dict = {}
 
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, props=None, gluon=None):
-    """The FP4 MoE (arguments as ``dsv4lab.ops.fused_moe``, already checked; NVFP4 globals as
-    fp32 [E] tensors on x's device) by the first route of :data:`TABLES` that applies
-    (``props``, ``gluon``: as on another device, for :func:`offline_cases`). No host
-    synchronisation: CUDA-graph capturable. The route and its launches are found once per
-    (device, shape, format, alignment): a call then costs a dict lookup, its output and its
-    launches."""
+    """The FP4 MoE (arguments as ``dsv4lab.ops.fused_moe``, checked) by the first route of
+    :data:`TABLES` that applies (``props``, ``gluon``: as on another device). No host sync."""
     args = (x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights)
     kw = dict(fmt=fmt, w13_global=w13_global, w2_global=w2_global, swiglu_limit=swiglu_limit)
     if props is not None or gluon is not None:
@@ -164,14 +149,11 @@ def _by_route(route, args, kw, props):
 
 
 # ------------------------------------------------------------------------ value check ----
-
 @triton.jit(do_not_specialize=["slot", "stamp"])
 def check_routing_kernel(x_ptr, ids_ptr, w_ptr, safe_ptr, flag_ptr, H, E, stride_x, slot,
                          stamp, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Token ``program_id(0)``: its expert ids into the copy the kernels read (an id outside
-    [-1, E) made -1: no kernel reads another expert's weights), and ``flags[slot]`` raised to
-    ``2 * stamp + bad``: bad if an id is outside [-1, E), or a routing weight or a value of x
-    is NaN or Inf."""
+    """A token's expert ids into the copy the kernels read (outside [-1, E): -1), and
+    ``flags[slot]`` raised to ``2 * stamp + bad`` (bad: such an id, or a NaN or Inf)."""
     t = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     mk = offs_k < K
@@ -194,9 +176,7 @@ _CHECKS: dict = {}
 
 
 def check_routing(x, topk_ids, topk_weights, E: int, flags, slot: int, stamp: int):
-    """Launch the value check of one ``fused_moe`` call (x [T, hidden], ids and weights
-    [T, k], contiguous) -> the expert ids the kernels should read (the stream's workspace).
-    ``flags, slot, stamp``: the call's :func:`~dsv4lab.kernels.launch.value_check`."""
+    """The value check of a ``fused_moe`` call (launch.value_check's flags) -> the ids to read."""
     T, H = x.shape
     K = topk_ids.shape[1]
     dev = x.device
@@ -221,8 +201,7 @@ _POINTER = {torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64", torch.
 
 
 class _Recorder:
-    """Stands for a kernel while :func:`offline_cases` runs the launchers: records
-    ``kernel[grid](*args, **kwargs)`` instead of launching."""
+    """Stands for a kernel in :func:`offline_cases`: records its launches instead."""
 
     def __init__(self, fn, calls):
         self.fn, self.calls = fn, calls
@@ -232,9 +211,7 @@ class _Recorder:
 
 
 def _case(name: str, fn, args, kwargs):
-    """A recorded launch as the compiler sees it: tensors as (16-byte aligned) pointers, ints
-    equal to 1 as constants and multiples of 16 as divisible, as Triton's launcher
-    specialises them."""
+    """A recorded launch as Triton specialises it (ints 1 constant, multiples of 16 divisible)."""
     from dsv4lab.kernels.offline import Case
     const_names = {name for name, const, _ in kernel_params(fn) if const}
     named = {k: v for k, v in kwargs.items() if k in fn.arg_names and k not in const_names}
@@ -273,11 +250,8 @@ def _meta_experts(E, H, I, fmt):
 
 
 def offline_cases(props: DeviceProps) -> list:
-    """The launches ``fused_moe`` makes on the GPU ``props`` describes, at Flash's shape for
-    every route and row of :data:`TRITON_TILES` and at the mini model's, both formats (each
-    distinct compile once), as :class:`dsv4lab.kernels.offline.Case` s. Runs the launchers
-    on meta tensors with the kernels recorded, not launched; call it with TRITON_INTERPRET=0
-    (as compiling needs), or the interpreter's tiles are listed."""
+    """The distinct launches ``fused_moe`` makes on ``props`` at Flash's and the mini model's
+    shapes, both formats, recorded from meta tensors. Call it with TRITON_INTERPRET=0."""
     from triton.runtime.jit import KernelInterface      # jit and interpreted kernels alike
     from dsv4lab.kernels.moe import gemv_sm90, mma_sm90
     modules = (align, triton_moe, mma_sm90, gemv_sm90)

@@ -1,40 +1,27 @@
 """The MoE of one decode token in one launch, as GEMVs on the CUDA cores (Gluon): the sm_90
 fast path at T = 1 (hidden and intermediate sizes multiples of 2048, as Flash's are).
 
-The idea. At T = 1 an expert's GEMM is a GEMV: every weight is used once, by one token, so
-the tensor cores' tile (padded from one token to eight) buys nothing. A warp walks whole
-rows instead: lane l owns the same 64 elements of every row of its 2048-element K slice
-(32 packed bytes, two MXFP4 blocks), so it loads its share of x once, as 32 fp16x2
-registers, and a warp's load of a row reads 1 KB of contiguous bytes. Per 4-byte word
-(8 elements, :func:`block_dot_asm`):
+At T = 1 an expert's GEMM is a GEMV: the tensor cores' tile (one token padded to eight) buys
+nothing. A warp walks whole rows: lane l owns the same 64 elements of every row of a
+2048-element K slice, so it loads its x once (32 fp16x2 registers) and a warp's row load reads
+1 KB contiguous. Per 4-byte word (:func:`block_dot_asm`) the nibbles become e5m2 bytes
+(:mod:`.gluon_shared`) that ``prmt`` pairs into fp16 ``value * 2**-14``; ``fma.rn.f16x2``
+with x sums a block in fp16 (x scaled per block by a power of two into [2**13, 2**14): the
+sum stays below 192), then to fp32 times the block scale and x's factor. No scale touches a
+weight; MXFP4 needs no row maximum.
 
-- the nibbles placed as e5m2 bytes (:mod:`.gluon_shared`), whose bytes ``prmt`` pairs into
-  the fp16 ``value * 2**-14`` of two elements at a time;
-- four ``fma.rn.f16x2`` with the lane's x pairs, summed in fp16 over the block's 32 elements
-  (x is scaled per block by a power of two so that ``|x| 2**sx`` lies in [2**13, 2**14): a
-  product stays below 6 and a block's sum below 192), then the block's sum to fp32, times
-  its scale (E8M0 ``2**(e - 127)``, or each 16-element half's E4M3) and the factor that
-  undoes x's; the row's 32 lane sums reduced across the warp.
+The schedule: :func:`x_pairs_kernel` writes x's pairs and zeroes the counters; its
+programmatic dependent launch :func:`decode_kernel` hands tiles out by a ticket counter, every
+gate/up tile before any down tile, so a tile waits only for running ones (no deadlock):
 
-No block scale touches a weight, and MXFP4 needs no row maximum.
+- a gate/up tile: BN1 gate and BN1 up rows of a pair's expert over a K slice; the last slice
+  to finish sums the slices in order, takes the SwiGLU, writes the down tiles' x pairs and
+  releases the pair's count;
+- a down tile: BN2 down rows of a pair, its first weight bytes requested before it waits; the
+  last tile of a row range sums pairs and slices in a fixed order (the same bits every call).
 
-The schedule (:func:`decode_kernel`): x's pairs and the zeroed counters come from a first
-small launch (:func:`x_pairs_kernel`), whose programmatic dependent launch is the decode.
-Its tiles are handed out by a ticket counter, every gate/up tile before any down tile, so a
-tile that waits only ever waits for tiles already running (no deadlock, whatever order the
-hardware starts programs in):
-
-- a gate/up tile: BN1 gate rows and their BN1 up rows of a pair's expert over a K slice; the
-  last slice to finish (an acq_rel counter) sums the slices in order, takes the SwiGLU and
-  writes the activations as the down tiles' x pairs, then releases the pair's count;
-- a down tile: BN2 rows of a pair's down projection, which asks for its first weight bytes
-  before it waits for the pair's activations; the last tile of a row range to finish sums
-  the pairs and slices in a fixed order into the output, so two calls give the same bits.
-
-Each warp's next rows are in flight while it works on these, loaded under the L2
-evict-first policy (weights are read once). Wins at T = 1: `dsv4lab bench moe`. The family's
-dispatch runs it on the H200 (sm_90) only, where it was measured. Explained in
-notebooks/04_mxfp4_moe_port.ipynb.
+Weights load evict-first, the next rows in flight. Wins at T = 1 (`dsv4lab bench moe`) on the
+H200, the only GPU the dispatch runs it on. Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import torch
 import triton
@@ -51,9 +38,8 @@ BN1, BN2, RB, NUM_WARPS = 32, 32, 2, 4
 K_SLICE = 2048                 # elements of a row a tile takes (32 lanes x 64)
 MAX_TOKENS = 8
 
-# the fp16 pairs of the placed bytes (l: the low nibbles' e5m2 bytes, h: the high ones'):
-# d0 (bytes 0, 1 of l), d1 (2, 3 of l), d2, d3 (the same of h), i.e. the elements
-# (0, 2), (4, 6), (1, 3), (5, 7) of the word
+# fp16 pairs of the placed bytes (l, h: the low, high nibbles'): d0, d1 = bytes 0-1, 2-3 of l,
+# d2, d3 the same of h, i.e. the word's elements (0, 2), (4, 6), (1, 3), (5, 7)
 _PAIRS = """prmt.b32 d0, l, 0, 0x1404;
 prmt.b32 d1, l, 0, 0x3424;
 prmt.b32 d2, h, 0, 0x1404;
@@ -62,9 +48,8 @@ prmt.b32 d3, h, 0, 0x3424;
 
 
 def block_dot_asm(nv: bool = False) -> str:
-    """PTX for one lane's 16-byte block: operands $0-$3 the fp32 results, $4-$7 the 4 words,
-    $8 + 4 i + j the x pair i of word j. MXFP4: the block's sum in $0 (one fp16x2 chain);
-    NVFP4: its two 16-element halves' sums (words 0-1, 2-3) in $0 and $1. The rest are 0."""
+    """PTX for a lane's 16-byte block ($4-$7; x pair i of word j: $8 + 4 i + j) -> fp32 sums
+    in $0 (MXFP4) or its 16-element halves' in $0, $1 (NVFP4); the rest 0."""
     body = [".reg .b32 a0, a1;", ".reg .b16 q0, q1;", ".reg .f32 f0, f1, g0, g1;"]
     for j in range(4):          # a scope a word: the placement declares its registers
         body.append("{\n.reg .b32 d0, d1, d2, d3;")
@@ -116,8 +101,7 @@ def _nsc(IS_NV):
 
 @gluon.jit
 def _scale32(sb, IS_NV: gl.constexpr):
-    """Scale bytes -> fp32 multipliers of a block's sum (MXFP4: ``2**(s - 127)``, exact but
-    for s = 0, 2**-127, which flushes to 0; NVFP4: the E4M3 value, exactly)."""
+    """Scale bytes -> fp32 multipliers of a block's sum (MXFP4 ``2**(s - 127)``, s = 0 -> 0)."""
     if IS_NV:
         return e4m3_bits(sb).to(gl.float32) * 256.0
     else:
@@ -126,8 +110,7 @@ def _scale32(sb, IS_NV: gl.constexpr):
 
 @gluon.jit
 def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
-    """Local row r of iteration it -> its row of the matrix (from the first): the tile's rows
-    run in blocks of HALF, JUMP apart (a gate/up tile: its gate rows, then the up rows)."""
+    """Local row r of iteration it -> its matrix row (blocks of HALF rows, JUMP apart)."""
     q = it * RR + r                     # >= 0, HALF a power of two: masks and shifts
     return (q & (HALF - 1)) + (q >> _log2(HALF)) * JUMP
 
@@ -135,10 +118,7 @@ def _row_index(it, r, RR: gl.constexpr, HALF: gl.constexpr, JUMP):
 @gluon.jit
 def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, HALF: gl.constexpr,
                     RB: gl.constexpr, IS_NV: gl.constexpr, num_warps: gl.constexpr):
-    """Iteration it's weight words [W RB, 256] and scale bytes [W RB, 32 NSC] (each lane its
-    32 bytes of a row, two 16-byte loads, and their scales) under the L2 evict-first policy.
-    ``w_base``: int32 pointer to the first row's slice, ``s_base``: its scales;
-    ``stride_w4``: words a row."""
+    """Iteration it's weight words [W RB, 256] and scale bytes [W RB, 32 NSC], evict-first."""
     RR: gl.constexpr = num_warps * RB
     WL: gl.constexpr = _layout(RB, 8, num_warps)
     SL: gl.constexpr = _layout(RB, _nsc(IS_NV), num_warps)
@@ -155,11 +135,8 @@ def _load_iteration(w_base, s_base, it, stride_w4, stride_sn, JUMP, HALF: gl.con
 def _rows_dot(w_base, s_base, stride_w4, stride_sn, JUMP, xq_base, plane, cx_base, out_base,
               mult, pa, sa, R: gl.constexpr, HALF: gl.constexpr, RB: gl.constexpr,
               IS_NV: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
-    """R rows (see :func:`_row_index`) of a 2048-element K slice times x's slice, times
-    ``mult``, into out_base[row] (fp32). x's slice: the pair words ``xq_base + i plane + w``
-    (i < 4, w < 256; :func:`block_dot_asm`'s order) and the factors ``cx_base[b]`` (b < 64)
-    of :func:`_store_pairs`. ``pa, sa``: iteration 0's loads (issued by the caller). Each
-    iteration a warp takes RB rows; the next iteration's bytes are in flight meanwhile."""
+    """R rows of a 2048-element K slice times x's (:func:`_store_pairs`) times ``mult`` ->
+    out_base[row], fp32. ``pa, sa``: iteration 0's loads; the next in flight meanwhile."""
     W: gl.constexpr = num_warps
     RR: gl.constexpr = W * RB
     NSC: gl.constexpr = _nsc(IS_NV)
@@ -199,17 +176,15 @@ def _block_layout(W):
 
 @gluon.jit
 def _block_exponent(amax):
-    """sx of a block whose largest |value| is amax: ``amax * 2**sx`` in [2**13, 2**14) (0 for
-    an all-zero block; within +-100, so that 2**sx and 2**(14 - sx) stay normal fp32)."""
+    """sx with ``amax * 2**sx`` in [2**13, 2**14) (0 for amax 0; clamped to +-100: normal)."""
     e = (amax.to(gl.int32, bitcast=True) >> 23) & 255
     return gl.minimum(gl.maximum(gl.where(amax > 0, 140 - e, 0), -100), 100)
 
 
 @gluon.jit
 def _store_pairs(q16_ptr, c_ptr, n, v, K):
-    """Blocks v [blocks, 32] (fp32; elements n of a K-vector) -> fp16 ``v * 2**sx`` at their
-    slots of the pair words [4, K / 8] (q16_ptr: as fp16) and each block's ``2**(14 - sx)``
-    at c_ptr[n // 32]: the x operand of :func:`_rows_dot`."""
+    """Blocks v [blocks, 32] (elements n) -> fp16 ``v * 2**sx`` in the pair words [4, K / 8]
+    and ``2**(14 - sx)`` at c_ptr[n // 32]: the x operand of :func:`_rows_dot`."""
     sx = _block_exponent(gl.max(gl.abs(v), axis=1))
     xs = (v * ((sx + 127) << 23).to(gl.float32, bitcast=True)[:, None]).to(gl.float16)
     r = n % 8
@@ -221,9 +196,7 @@ def _store_pairs(q16_ptr, c_ptr, n, v, K):
 @gluon.jit
 def x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x,
                    num_warps: gl.constexpr):
-    """Token t's x (program (t, pb): 1024 num_warps elements) -> :func:`_store_pairs`'s words
-    and factors; program (0, 0) also zeroes ``n_zero`` int32 at ``zero_ptr`` (the decode's
-    counters). The decode is this launch's programmatic dependent launch."""
+    """Token t's x -> :func:`_store_pairs`'s words; program (0, 0) zeroes the n_zero counters."""
     BL: gl.constexpr = _block_layout(num_warps)
     ONE: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     gdc_launch_dependents(num_warps)
@@ -243,17 +216,14 @@ def x_pairs_kernel(x_ptr, xq_ptr, xc_ptr, zero_ptr, n_zero, H, stride_x,
 
 @gluon.jit
 def _ticket(ctr_ptr, num_warps: gl.constexpr):
-    """Wait for the launch this one depends on (x's pairs, the zeroed counters), then take the
-    next ticket: the order programs start in, so tiles handed out earlier are running."""
+    """Wait for x's pairs and the counters, then take the next ticket (tiles in start order)."""
     gdc_wait(num_warps)
     return gl.atomic_add(ctr_ptr, 1, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
 def _wait_count(ptr, target):
-    """Spin until the counter at ptr reaches target (acquire: what its writers stored before
-    their release is then visible), sleeping between polls so that pollers leave the issue
-    slots to working tiles."""
+    """Spin (acquire, sleeping between polls) until the counter at ptr reaches target."""
     seen = gl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = gl.inline_asm_elementwise(_SLEEP_ASM, "=r,r", [seen], dtype=gl.int32,
@@ -264,9 +234,7 @@ def _wait_count(ptr, target):
 @gluon.jit
 def _sum_pairs(total, ypair_ptr, ids_ptr, out_ptr, offs_h, m, P, T, TOPK, SPLIT2, stride_y,
                stride_out):
-    """out[token m, rows offs_h] = ``total`` (zeros [rows, tokens]) plus the rows of ypair
-    [SPLIT2 slices x P pairs, stride_y] of every live pair of token m, pairs and slices in
-    order: the same sum every call."""
+    """out[token m, offs_h] = ``total`` plus ypair's rows of m's live pairs, in a fixed order."""
     for q in range(P):
         live = (m == q // TOPK)[None, :] & (gl.load(ids_ptr + q) >= 0)
         for q2 in range(SPLIT2):
@@ -282,10 +250,8 @@ def _gate_up_tile(tile, xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, ids_ptr, aq_p
                   stride_w13n, stride_s13e, stride_s13n, swiglu_limit, IS_NV: gl.constexpr,
                   HAS_LIMIT: gl.constexpr, BN1: gl.constexpr, RB: gl.constexpr,
                   ASM: gl.constexpr, num_warps: gl.constexpr):
-    """Gate/up tile ``tile``: pair p's BN1 gate rows and their BN1 up rows (row tile pn) over
-    K slice sp, into part[sp, p]; the row tile's last slice sums the slices, takes the SwiGLU
-    and writes those BN1 activations as the down tiles' x (:func:`_store_pairs`), then
-    releases the pair's count."""
+    """Pair p's BN1 gate and up rows over K slice sp -> part[sp, p]; the last slice writes the
+    SwiGLU as the down tiles' x and releases the pair's count."""
     S1 = H // 2048
     g = tile // S1
     sp = tile % S1
@@ -331,10 +297,8 @@ def _down_tile(d, w2_ptr, s2_ptr, g2_ptr, ids_ptr, topk_w_ptr, aq_ptr, ac_ptr, y
                out_ptr, ctr_ptr, P, T, TOPK, I, H, n_tiles1, n_tiles2, stride_w2e, stride_w2n,
                stride_s2e, stride_s2n, stride_out, IS_NV: gl.constexpr, BN2: gl.constexpr,
                RB: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
-    """Down tile d: pair p's activations (K slice sp) times BN2 down rows (row tile pn), times
-    its routing weight, into ypair[sp, p]; the last tile of those rows sums ypair over the
-    pairs and slices, in order, into out. Its first weight bytes are asked for before it
-    waits for the activations."""
+    """Pair p's act (K slice sp) times BN2 down rows and its routing weight -> ypair[sp, p];
+    the last tile of those rows sums ypair into out."""
     S2 = I // 2048
     sp = d % S2
     p = d // S2 // n_tiles2
@@ -373,11 +337,9 @@ def decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_
                   IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN1: gl.constexpr,
                   BN2: gl.constexpr, RB: gl.constexpr, ASM: gl.constexpr,
                   num_warps: gl.constexpr):
-    """The whole MoE of a few tokens (T <= 8) in one launch, every (token, slot) pair its own
-    GEMV. Counters (zeroed by :func:`x_pairs_kernel`): [0] the ticket; [1 + p] pair p's
-    finished gate/up row tiles; [1 + P + n] the finished down tiles of hidden rows n BN2 ...;
-    [1 + P + H / BN2 + g] the finished K slices of gate/up row tile g. K slices are 2048
-    elements (H / 2048 for gate/up, I / 2048 for down)."""
+    """The MoE of T <= 8 tokens in one launch, a GEMV a pair. Counters: [0] the ticket;
+    [1 + p] pair p's finished gate/up row tiles; [1 + P + n] row tile n's finished down tiles;
+    [1 + P + H / BN2 + g] gate/up row tile g's finished K slices (2048 elements each)."""
     n_tiles1 = I // BN1
     n_tiles2 = H // BN2
     n_gu = P * n_tiles1 * (H // 2048)
@@ -394,9 +356,7 @@ def decode_kernel(xq_ptr, xc_ptr, w13_ptr, s13_ptr, g13_ptr, w2_ptr, s2_ptr, g2_
 
 
 class DecodeLaunches:
-    """The two launches of :func:`fused_decode` for one device, shape and format, worked out
-    once (``kernels/launch.py``), and the sizes of the buffers they share (the stream's
-    workspace: x's pairs, the activations, the partial sums, the counters)."""
+    """The two launches of :func:`fused_decode` for one device, shape and format, with buffers."""
 
     def __init__(self, device, T, H, E, I, topk, fmt, has_limit):
         P = T * topk
@@ -452,10 +412,8 @@ _LAUNCHES: dict = {}
 
 def fused_decode(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
                  w13_global=None, w2_global=None, swiglu_limit=None):
-    """The FP4 MoE of T <= 8 tokens (arguments as ``dsv4lab.ops.fused_moe``, already checked;
-    hidden and intermediate sizes multiples of 2048, weights and scales 16-byte aligned and
-    contiguous) in two launches: x's pairs and the zeroed counters, then :func:`decode_kernel`.
-    No host sync. Planned once per device, shape and format (:class:`DecodeLaunches`)."""
+    """The FP4 MoE of T <= 8 tokens (arguments as ``dsv4lab.ops.fused_moe``, checked; sizes
+    multiples of 2048, weights and scales 16-byte aligned) in two launches. No host sync."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2

@@ -1,10 +1,7 @@
-"""What the MoE's sm_90 Gluon kernels share (:mod:`.mma_sm90`, :mod:`.gemv_sm90`): the
-nibble decode as an fp8 conversion, the E4M3 scale bits and the SwiGLU.
+"""What :mod:`.mma_sm90` and :mod:`.gemv_sm90` share: the nibble decode, E4M3 bits, SwiGLU.
 
-An E2M1 nibble ``s e1 e0 m`` written as the e5m2 byte ``s 000 e1 e0 m 0`` reads
-``value * 2**-14`` exactly (e1 e0 the low exponent bits, bias 15; e = 0 lands on e5m2's
-subnormals as E2M1's does): the same fp16 the Triton kernel's bit placement builds, here
-made by the hardware's fp8 -> fp16 conversion (sm_89 and newer).
+An E2M1 nibble ``s e1 e0 m`` as the e5m2 byte ``s 000 e1 e0 m 0`` reads ``value * 2**-14``
+exactly (subnormals included), converted to fp16 by the hardware (sm_89 and newer).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -28,8 +25,7 @@ mov.b32 {h0, h1}, h;
 
 @gluon.jit
 def e4m3_bits(sb):
-    """E4M3 scale bytes (uint8) -> fp16 ``value * 2**-8``, exactly (the bits s eeee mmm
-    placed as fp16 s 0eeee mmm0000000; times 256 gives the value)."""
+    """E4M3 scale bytes (uint8) -> fp16 ``value * 2**-8``, exactly (bits s 0eeee mmm0000000)."""
     b = sb.to(gl.int16)
     bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
     return bits.to(gl.float16, bitcast=True)

@@ -1,33 +1,22 @@
 """The grouped FP4 MoE GEMMs with hand-chosen tensor-core layouts (Gluon ``mma.sync``): the
 sm_90 fast path at a few rows per expert (T ~ 64 at Flash's 256 experts).
 
-The idea. On a GPU the cost of a weight byte is the instructions that turn it into
-tensor-core input. The Triton kernel (:mod:`.triton_moe`) lets Triton pick the operand
-layouts, and the byte-sourced operand forces a layout (kWidth 4) into which x's fp16 fragments
-are shuffled by register moves before every mma. Here the layouts are chosen so that nothing
-moves:
+In :mod:`.triton_moe` the byte-sourced operand forces a layout (kWidth 4) into which x's fp16
+fragments are shuffled before every mma. Here the layouts are chosen so that nothing moves:
 
-- the weights are the A operand of ``mma.sync.m16n8k16`` (M: weight rows; N: the block's
-  tokens, padded to 8) in the kWidth-2 layout, where lane ``(g, t)`` holds, for its row g,
-  the operand columns ``k' = 16 s + 8 c + 2 t + a`` (s < 4, c < 2, a < 2) of a 64-column step;
-- a row's 64-byte segment (128 FP4 elements) is read so that lane t holds bytes
-  ``16 t .. 16 t + 15``: one 16-byte load and, for MXFP4, exactly one 32-element scale block;
-  byte ``16 t + 4 s + 2 c + a`` is taken as operand column ``k'``. That permutes K (sigma),
-  which costs nothing when x is permuted alike: x's copy (and the activations) hold, per
-  128-element segment, the 64 even elements then the 64 odd ones (:func:`x_seg_kernel`,
-  ``_seg_order``), and the low nibbles pair with the even elements, the high with the odd;
-- the byte -> operand correspondence is a reshape and a permute of the loaded tile, which
-  Gluon checks is free (``convert_layout(..., assert_trivial=True)`` fails to compile
-  otherwise);
-- weights, scales and x stream through a ring of ``STAGES`` shared-memory buffers by
-  ``cp.async``; every lane reads back exactly the bytes it copied, so the ring needs no
-  barrier; x's buffers are XOR-swizzled so that a read's eight rows hit different banks.
+- the weights are the A operand of ``mma.sync.m16n8k16`` (N: the block's tokens, padded to 8),
+  kWidth 2: lane ``(g, t)`` holds row g's columns ``k' = 16 s + 8 c + 2 t + a`` of a step;
+- lane t loads bytes ``16 t .. 16 t + 15`` of a row's 64-byte step (one 16-byte load, one
+  MXFP4 scale) and takes byte ``16 t + 4 s + 2 c + a`` as column ``k'``: a permutation of K
+  (sigma) that x's copy and the activations share (per 128 elements, the 64 even then the 64
+  odd: :func:`x_seg_kernel`, ``_seg_order``); Gluon checks the mapping is free
+  (``convert_layout(..., assert_trivial=True)``);
+- weights, scales and x stream through a ``STAGES``-deep ``cp.async`` ring; each lane reads
+  back only the bytes it copied (no barrier); x's buffers are XOR-swizzled.
 
-The decode is the e5m2 conversion of :mod:`.gluon_shared` (15 instructions per 4 bytes) times
-the block scales; MXFP4's scales are split with the row's largest scale byte over K (the
-Triton kernel's ROWMAX), NVFP4's E4M3 are exact in fp16. Wins at T = 64: `dsv4lab bench moe`.
-The family's dispatch runs it on the H200 (sm_90) only, where it was measured. Explained in
-notebooks/04_mxfp4_moe_port.ipynb.
+The decode is :mod:`.gluon_shared`'s e5m2 conversion times the block scales (MXFP4's split by
+the row's largest scale byte, as ROWMAX). Wins at T = 64 (`dsv4lab bench moe`) on the H200,
+the only GPU the dispatch runs it on. Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 import torch
 import triton
@@ -47,8 +36,7 @@ BM = gl.constexpr(8)           # tokens a block (mma's N)
 # the launch: gate/up and down rows a program, ring stages, 64-byte steps a stage, warps
 BN1, BN2, STAGES, NSPS1, NSPS2, NUM_WARPS = 64, 128, 2, 4, 2, 4
 
-# The decode ($4: 4 packed bytes; $5, $6: the fp16 multipliers of bytes 0-1 and 2-3): the low
-# nibbles of bytes 0-1, 2-3 in $0, $1, the high ones in $2, $3, as fp16 ``value * 2**-14 * mult``.
+# The decode ($4: 4 bytes; $5, $6: multipliers of bytes 0-1, 2-3): low nibbles $0, $1, high $2, $3
 CVT8_ASM = "\n{" + CVT8_PLACE + """cvt.rn.f16x2.e5m2x2 u, l0;
 mul.rn.f16x2 $0, u, $5;
 cvt.rn.f16x2.e5m2x2 u, l1;
@@ -70,9 +58,7 @@ def _decode(p, mexp, ASM: gl.constexpr):
 
 @triton.constexpr_function
 def _weight_layout(BN, W, NS, GS):
-    """Packed weight bytes [BN rows, 4 (t), NS, GS]: lane (g, t) holds rows g and g + 8 of
-    its warp's 16 (then 16 W further, per repetition), 16 consecutive bytes each; warp w
-    rows 16 w ... That is the A operand's distribution (kWidth 2) under sigma."""
+    """Weight bytes [BN, 4 (t), NS, GS]: the A operand's distribution (kWidth 2) under sigma."""
     reg = [[0, 0, 0, 1 << i] for i in range(GS.bit_length() - 1)]
     reg += [[0, 0, 1 << i, 0] for i in range(NS.bit_length() - 1)]
     reg += [[8, 0, 0, 0]]
@@ -88,8 +74,7 @@ def _weight_layout(BN, W, NS, GS):
 
 @triton.constexpr_function
 def _copy_layout(BN, W):
-    """The same bytes as :func:`_weight_layout` as a [BN, 64] tile: each lane copies exactly
-    the 16-byte chunks it later reads."""
+    """:func:`_weight_layout`'s bytes as a [BN, 64] tile: a lane copies the chunks it reads."""
     reg = [[0, 1 << i] for i in range(4)] + [[8, 0]]
     r = 16 * W
     while r < BN:
@@ -126,9 +111,7 @@ def _to_b_operand(x, B_OP: gl.constexpr):
 
 @gluon.jit
 def _mult(sb, smax, IS_NV: gl.constexpr):
-    """Scale bytes -> fp16 multipliers of the decoded weights (MXFP4: ``2**(s - smax + 15)``,
-    exact within 2**24 of the row's largest scale, flushed below 2**-29 of it; NVFP4: the
-    E4M3 value, exactly)."""
+    """Scale bytes -> fp16 multipliers (MXFP4: ``2**(s - smax + 15)``; NVFP4: the E4M3 value)."""
     if IS_NV:
         return e4m3_bits(sb) * 256.0
     else:
@@ -166,9 +149,7 @@ def _issue_mat(w_smem, s_smem, idx, w_rows, s_rows, nm_w, nm_s, k, live,
 def _issue(w_smem, s_smem, x_smem, slot, w0, s0, m0w, m0s, w1, s1, m1w, m1s, x_rows, xmask, st,
            nst, NSC: gl.constexpr, CPW: gl.constexpr, CPS: gl.constexpr, CPX: gl.constexpr,
            NMAT: gl.constexpr, NSPS: gl.constexpr):
-    """cp.async stage st (K-steps st * NSPS ..) into ring slot ``slot`` (nothing once
-    st >= nst): NSPS consecutive 64-byte steps of every row, so that a row's bytes reach the
-    memory system as 64 NSPS contiguous bytes."""
+    """cp.async stage st (NSPS 64-byte steps a row) into ring slot ``slot``; none once st >= nst."""
     live = st < nst
     cx = gl.arange(0, 64, layout=gl.SliceLayout(0, CPX))
     xm = xmask[:, None] & live
@@ -202,9 +183,7 @@ def _step(acc, xe, xo, w_smem, s_smem, idx, smax, IS_NV: gl.constexpr, BN: gl.co
 def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
             IS_NV: gl.constexpr, BN: gl.constexpr, NMAT: gl.constexpr, STAGES: gl.constexpr,
             NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
-    """sum over nseg K-steps of w . x^T for one or two (NMAT) weight matrices, given their
-    rows' first weight byte (w*), first scale byte (s*), validity (m*) and MXFP4 row maximum
-    (smax*), [BN] each: (acc0, acc1), [BN, BM] in the mma layout."""
+    """w . x^T over nseg K-steps of NMAT weight matrices -> (acc0, acc1) in the mma layout."""
     W: gl.constexpr = num_warps
     GS: gl.constexpr = 8 if IS_NV else 16              # packed bytes a scale
     NSC: gl.constexpr = SEG_BYTES // GS                # scales a row a K-step
@@ -262,8 +241,7 @@ def _k_loop(w0, s0, m0, smax0, w1, s1, m1, smax1, x_rows, xmask, nseg,
 
 @gluon.jit
 def _seg_order(n):
-    """Column n of an activation row -> its place in sigma's order (per 128-element segment,
-    the 64 even columns, then the 64 odd ones)."""
+    """Column n of an activation row -> its place in sigma's order."""
     return (n // 128) * 128 + (n % 2) * 64 + (n % 128) // 2
 
 
@@ -280,9 +258,7 @@ def _block(sorted_pair_ptr, block_start_ptr, block_count_ptr, b, ROWL: gl.conste
 @gluon.jit
 def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, stride_se,
                  stride_sn, IS_NV: gl.constexpr, BN: gl.constexpr, num_warps: gl.constexpr):
-    """This program's BN rows of expert e's matrix at w_ptr / s_ptr from K slice sp (NSEG
-    steps): ``(offs_n, nmask, first weight bytes, first scale bytes, MXFP4 row maxima over the
-    slice (0 for NVFP4))``, [BN] each, in the accumulator's row layout."""
+    """Expert e's BN rows from K slice sp: (offs_n, nmask, weight, scale pointers, MXFP4 maxima)."""
     COLL: gl.constexpr = gl.SliceLayout(1, _mma_layout(num_warps))
     NSC: gl.constexpr = SEG_BYTES // (8 if IS_NV else 16)
     offs_n = pn * BN + gl.arange(0, BN, layout=COLL)
@@ -300,8 +276,7 @@ def _weight_rows(w_ptr, s_ptr, e, pn, sp, n_rows, NSEG, stride_we, stride_wn, st
 
 @gluon.jit
 def _undo_scales(acc, smax, gscale_ptr, e, IS_NV: gl.constexpr):
-    """acc [BN, BM] times what the decoded weights and x's 2**-8 still owe: NVFP4, 2**22 times
-    expert e's global scale; MXFP4, ``2**(smax - 120)`` per row (the scale split)."""
+    """acc times what decode and x's 2**-8 owe (NVFP4: 2**22 gscale; MXFP4: 2**(smax - 120))."""
     if IS_NV:
         return acc * (4194304.0 * gl.load(gscale_ptr + e))
     else:
@@ -315,10 +290,8 @@ def gate_up_kernel(xp_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr, block_expe
                    IS_NV: gl.constexpr, HAS_LIMIT: gl.constexpr, BN: gl.constexpr,
                    STAGES: gl.constexpr, NSPS: gl.constexpr, ASM: gl.constexpr,
                    num_warps: gl.constexpr):
-    """One program: the block's tokens times BN gate rows and the BN matching up rows over K
-    slice sp (grid: blocks, I / BN, 1: the launch runs one slice; the slice index stays a
-    program id because a constant 0 compiles to other code than the one measured). Writes act
-    in sigma's order, fp16 times 2**-8, as the down kernel reads it."""
+    """The block's tokens times BN gate and BN up rows -> act in sigma's order, fp16 times
+    2**-8. One K slice is launched; sp stays a program id (a constant 0 compiles otherwise)."""
     b = gl.program_id(0)
     pn = gl.program_id(1)
     sp = gl.program_id(2)
@@ -350,9 +323,7 @@ def down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
                 stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_y, stride_ys,
                 IS_NV: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                 NSPS: gl.constexpr, ASM: gl.constexpr, num_warps: gl.constexpr):
-    """One program: the block's activations times BN down rows over K slice sp (grid: blocks,
-    H / BN, 1, as :func:`gate_up_kernel`); writes each pair's row times its routing weight to
-    ypair[sp] (triton_moe.combine_kernel sums a token's pairs)."""
+    """The block's act times BN down rows and the routing weights -> ypair[sp]."""
     b = gl.program_id(0)
     pn = gl.program_id(1)
     sp = gl.program_id(2)
@@ -374,8 +345,7 @@ def down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
 
 @triton.jit
 def x_seg_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr):
-    """Row t of x -> fp16 ``x * 2**-8`` in sigma's order: per 128 columns, the 64 even ones
-    then the 64 odd ones (HP = H / 2)."""
+    """Row t of x -> fp16 ``x * 2**-8`` in sigma's order (HP = H / 2)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     m = offs < HP
@@ -387,9 +357,7 @@ def x_seg_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr):
 
 
 class MmaLaunches:
-    """The launches of :func:`fused_moe` for one device, shape and format, worked out once
-    (``kernels/launch.py``): x's copy in sigma's order, grouping, gate/up, down, combine, and
-    the buffers they share (the stream's workspace)."""
+    """The launches of :func:`fused_moe` for one device, shape and format, and their buffers."""
 
     def __init__(self, device, T, H, E, I, topk, fmt, has_limit):
         P = T * topk
@@ -453,10 +421,8 @@ _LAUNCHES: dict = {}
 
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None):
-    """The grouped FP4 MoE with these GEMMs (arguments as ``dsv4lab.ops.fused_moe``, already
-    checked; hidden and intermediate sizes multiples of 512, weights and scales 16-byte
-    aligned): x's copy in sigma's order, grouping, gate/up, down, combine. No host sync.
-    Planned once per device, shape and format (:class:`MmaLaunches`)."""
+    """The grouped FP4 MoE with these GEMMs (arguments as ``dsv4lab.ops.fused_moe``, checked;
+    sizes multiples of 512, weights and scales 16-byte aligned). No host sync."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     I = two_i // 2

@@ -1,43 +1,30 @@
 """The FP4 mixture of experts in portable Triton (MXFP4 and NVFP4 experts): the lesson kernel.
 
-The idea. Decode-time MoE streams weights: at T = 1 each of the 6 experts hit reads
-3 x 2048 x 4096 FP4 weights (12.6 MB packed, 0.4 MB of MXFP4 scales) to do 2 FLOPs per
-weight for one token. So the kernel reads every packed byte of an expert once and applies it
-to all the tokens routed to that expert:
+Decode-time MoE streams weights (at T = 1 each of the 6 experts hit reads 12.6 MB of packed
+FP4 for one token), so the kernel reads each packed byte of an expert once for all the tokens
+routed to that expert:
 
-1. group the (token, expert) pairs by expert into blocks of at most BM rows
-   (:mod:`dsv4lab.kernels.moe.align`; a fixed bound on the block count, no host sync);
-2. :func:`gate_up_kernel`: a program per (block, BN1 intermediate columns, K slice) gathers
-   the block's rows of x and walks K, BK elements a step: it reads BK/2 contiguous bytes of
-   every gate and up row of its tile, decodes the nibbles in registers, applies the block
-   scales to the decoded fp16 weights and feeds both GEMMs to the tensor cores; it writes
-   ``act = silu(min(g, L)) * clamp(u, -L, L)`` (split over K: fp32 partials that
-   :func:`swiglu_kernel` sums first);
-3. :func:`down_kernel`: a program per (block, BN2 hidden columns, K slice) streams the down
-   rows the same way and writes each pair's partial row times its routing weight;
-4. :func:`combine_kernel` sums each token's k rows (and K slices) in a fixed order, no
-   atomics, skipping expert id -1.
+1. group the (token, expert) pairs by expert into blocks of at most BM rows (:mod:`.align`);
+2. :func:`gate_up_kernel`: a program per (block, BN1 intermediate columns, K slice) decodes
+   its gate and up rows in registers, applies the block scales and feeds both GEMMs to the
+   tensor cores; it writes ``act = silu(min(g, L)) * clamp(u, -L, L)`` (split-K: fp32
+   partials that :func:`swiglu_kernel` sums);
+3. :func:`down_kernel`: the same over BN2 hidden columns, each row times its routing weight;
+4. :func:`combine_kernel` sums each token's k rows in a fixed order, no atomics.
 
-Decoding a nibble without a table. A nibble is sign | e1 e0 | m. Its three magnitude bits
-at bits 9..11 of a 16-bit word and its sign at bit 15 read, as an fp16, exactly
-``value * 2**-14`` (codes 0 and 1 land on fp16 subnormals, as E2M1's e = 0 does). The even
-and odd elements of a row live in the low and high nibbles, so x is split into its even
-and odd columns instead of interleaving the weights: ``x . w = x_even . w_lo + x_odd . w_hi``.
-On a GPU the decode and the scale multiply run as packed 32-bit PTX (``FASTDEC``), the same
-bits; the interpreter runs the Triton expressions.
+Decoding without a table: a nibble's magnitude bits placed at bits 9..11 of a 16-bit word and
+its sign at bit 15 read, as fp16, exactly ``value * 2**-14``. The even and odd elements of a
+row are the low and high nibbles, so x is split instead of the weights:
+``x . w = x_even . w_lo + x_odd . w_hi``. ``FASTDEC``: the same bits in packed 32-bit PTX.
 
-Scales. NVFP4's E4M3 scale times the decoded fp16 weight is exact in fp16, so the dots
-accumulate directly and ``2**22`` times the fp32 global scale fixes the result once. MXFP4's
-``2**(s - 127)`` is too wide for fp16: per K-step and row, with ``smax`` the step's largest
-scale byte (``ROWMAX``: the row's largest over its K slice, so the dots chain like NVFP4's),
-the weights get ``2**(s - smax + 15)`` (fp16; exact within 2**24 of ``smax``, flushed below
-2**-29 of it) and the dot ``2**(smax - 120)`` (fp32). x and the activations enter the dot as
-fp16 times 2**-8 (``XPRE``: copied once a call with their even and odd columns as two
-contiguous halves, loads the pipeliner streams ahead with the weights).
+Scales: NVFP4's E4M3 scale times the decoded weight is exact in fp16; ``2**22`` times the
+global scale fixes the result once. MXFP4's ``2**(s - 127)`` is too wide for fp16: the weights
+get ``2**(s - smax + 15)`` and the dot ``2**(smax - 120)``, ``smax`` the K-step's largest scale
+byte (``ROWMAX``: the row's over its K slice, so the dots chain like NVFP4's). x and act enter
+the dot as fp16 times 2**-8 (``XPRE``: a copy with even and odd columns as contiguous halves).
 
-Runs on sm_80 .. sm_120 (plain loads, integer ops, ``tl.dot`` on fp16) and in Triton's
-interpreter, where the dot operands are upcast to fp32. The tiles come from the family's
-dispatch (:mod:`dsv4lab.kernels.moe.dispatch`). Explained in notebooks/04_mxfp4_moe_port.ipynb.
+Runs on sm_80 .. sm_120 and in Triton's interpreter (dot operands upcast to fp32); tiles from
+:mod:`.dispatch`. Explained in notebooks/04_mxfp4_moe_port.ipynb.
 """
 from __future__ import annotations
 
@@ -73,17 +60,12 @@ def _e2m1_hi(p):
     return bits.to(tl.float16, bitcast=True)
 
 
-# FASTDEC: the decode and the scale multiply in packed 32-bit PTX, 4 packed bytes a call. Per
-# nibble group of a word w = [b0 b1 b2 b3]:
-#   h = w & 0xF0F0F0F0                 high nibbles, in place (bits 4..7 of every byte)
-#   l = (w << 4) & 0xF0F0F0F0          low nibbles, moved to bits 4..7
-#   t = prmt(h or l, 0, 0x1404)        bytes 0, 1 -> bits 8..15, 24..31 (0x3424: bytes 2, 3),
-#                                      so each fp16 half holds its nibble s e1 e0 m at 15..12
-#   d = lop3(t, t >> 3, 0x8E008E00, 0xA8) = (t | t >> 3) & 0x8E008E00: the sign stays at 15,
-#                                      e1 e0 m drop to 11..9: _e2m1_lo/_e2m1_hi's bits
-#   mul.rn.f16x2 d, d, mexp            the block scale, two elements an instruction
-# lop3, prmt and f16x2 arithmetic exist on every GPU of sm_80 and newer. tests/test_moe.py runs
-# this string through a numpy model of its opcodes over every byte and multiplier.
+# FASTDEC: decode and scale in packed 32-bit PTX (sm_80+), 4 bytes a call. Per word w:
+#   h = w & 0xF0F0F0F0, l = (w << 4) & 0xF0F0F0F0    high / low nibbles at bits 4..7
+#   t = prmt(h or l, 0, 0x1404 or 0x3424)            bytes 0, 1 (or 2, 3): a nibble a half
+#   d = (t | t >> 3) & 0x8E008E00 (one lop3)         _e2m1_lo / _e2m1_hi's bits
+#   mul.rn.f16x2 d, d, mexp                          the block scale, two elements at once
+# tests/test_moe.py checks this string with a numpy model of its opcodes.
 FASTDEC_ASM = """
 {
 .reg .b32 h, l, t, u;
@@ -113,9 +95,8 @@ _FASTDEC_ASM = tl.constexpr(FASTDEC_ASM)       # jit code may read constexpr glo
 
 @triton.jit
 def _e2m1_scaled_fast(p, mexp):
-    """FASTDEC: packed bytes p (uint8) and fp16 multipliers (same shape) ->
-    ``(_e2m1_lo(p) * mexp, _e2m1_hi(p) * mexp)``, bit for bit (outputs $0..$3: lo of bytes
-    0-1, 2-3, hi of 0-1, 2-3 as fp16x2; $4 the 4 bytes; $5, $6 the multipliers)."""
+    """FASTDEC: ``(_e2m1_lo(p) * mexp, _e2m1_hi(p) * mexp)``, bit for bit (p uint8, mexp
+    fp16 of the same shape)."""
     return tl.inline_asm_elementwise(_FASTDEC_ASM, "=r,=r,=r,=r,r,r,r", [p, mexp],
                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
@@ -152,9 +133,8 @@ def _scale_split(sb, IS_NV: tl.constexpr, BN: tl.constexpr, smax_row=0,
 @triton.jit
 def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
             GS: tl.constexpr, FASTDEC: tl.constexpr, smax_row=0, ROWMAX: tl.constexpr = False):
-    """One K-step of BN weight rows: ``(w_lo, w_hi, colf)``, the even / odd elements [BN, BKH]
-    as fp16 with their block scales applied. ``w_tile``: pointers [BN, BKH] to the packed
-    bytes (BKH contiguous bytes a row: wide loads); ``s_tile``: [BN, BKH // GS] to the scales."""
+    """One K-step of BN weight rows -> ``(w_lo, w_hi, colf)``: the even / odd elements
+    [BN, BKH], fp16 with their block scales applied."""
     NSC: tl.constexpr = BKH // GS
     p = tl.load(w_tile, mask=nmask[:, None], other=0)
     sb = tl.load(s_tile, mask=nmask[:, None], other=0)
@@ -168,8 +148,7 @@ def _w_tile(w_tile, s_tile, nmask, IS_NV: tl.constexpr, BN: tl.constexpr, BKH: t
 
 @triton.jit
 def _row_smax(s_row, nmask, KS, RKC: tl.constexpr):
-    """ROWMAX: each row's largest MXFP4 scale byte over its KS bytes from ``s_row`` ([BN]
-    pointers), RKC a load (one wide load a row at Flash's sizes)."""
+    """ROWMAX: each row's largest MXFP4 scale byte over its KS bytes, RKC a load."""
     kc = tl.arange(0, RKC)
     m = tl.zeros(nmask.shape, dtype=tl.int32)
     for k0 in range(0, KS, RKC):
@@ -190,8 +169,7 @@ def _x_tile(x_rows, k0, mmask):
 
 @triton.jit
 def _x_tile_pre(x_rows, k0, xo_off, mmask):
-    """XPRE: the step's even and odd columns from the split fp16 copy (already times 2**-8):
-    two contiguous loads that feed the dot as they are."""
+    """XPRE: the step's even and odd columns from the split fp16 copy, as the dot takes them."""
     xe = tl.load(x_rows + k0, mask=mmask[:, None], other=0.0)
     xo = tl.load(x_rows + xo_off + k0, mask=mmask[:, None], other=0.0)
     return xe, xo
@@ -199,9 +177,8 @@ def _x_tile_pre(x_rows, k0, xo_off, mmask):
 
 @triton.jit
 def _mac(acc, xe, xo, wlo, whi, colf, CHAIN: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc + colf * (x_even . w_lo^T + x_odd . w_hi^T): [BM, BN] on the tensor cores (fp16
-    operands, fp32 accumulation). ``CHAIN`` (NVFP4, ROWMAX): no per-step factor, the dots
-    accumulate in place. ``DOT_FP32``: the interpreter, same rounding in fp32."""
+    """acc + colf * (x_even . w_lo^T + x_odd . w_hi^T) on the tensor cores. ``CHAIN``: no
+    per-step factor (NVFP4, ROWMAX); ``DOT_FP32``: the interpreter, same rounding in fp32."""
     if DOT_FP32:
         a_e, a_o = xe.to(tl.float16).to(tl.float32), xo.to(tl.float16).to(tl.float32)
         b_lo, b_hi = tl.trans(wlo.to(tl.float32)), tl.trans(whi.to(tl.float32))
@@ -229,9 +206,8 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
                    BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr,
                    FASTDEC: tl.constexpr, XPRE: tl.constexpr, PARTIAL: tl.constexpr,
                    ROWMAX: tl.constexpr, CHAIN: tl.constexpr, RKC: tl.constexpr):
-    """Block b's tokens times BN gate rows and the BN matching up rows over K slice sp
-    (grid: blocks, I / BN, slices; KH_SPLIT bytes, KS_SPLIT scale bytes a row a slice) ->
-    act (or, ``PARTIAL``, this slice's fp32 gate and up for :func:`swiglu_kernel`)."""
+    """Block b's tokens times BN gate and BN up rows over K slice sp -> act (``PARTIAL``:
+    this slice's fp32 gate and up, for :func:`swiglu_kernel`)."""
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)
@@ -259,8 +235,7 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, gscale_ptr, sorted_pair_ptr,
     su = sg + I * stride_sn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    # the slice's base goes into the pointers, so that the step offsets k1 and k1 // GS keep
-    # their known divisibility (and the scale loads stay wide, pipelined loads)
+    # the slice's base in the pointers: k1 and k1 // GS keep their divisibility (wide loads)
     wg, wu = wg + kbase, wu + kbase
     sg, su = sg + sp * KS_SPLIT, su + sp * KS_SPLIT
     x_rows += kbase if XPRE else 2 * kbase
@@ -316,8 +291,7 @@ def _swiglu(gate, up, swiglu_limit, HAS_LIMIT: tl.constexpr):
 @triton.jit
 def _store_act(act_ptr, rows, offs_n, gate, up, omask, I, stride_act, swiglu_limit,
                HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr):
-    """act = the SwiGLU of gate and up, to rows ``rows``: fp32 in column order, or (XPRE) as
-    the down kernel's split fp16 operand, times 2**-8, even columns first."""
+    """act = SwiGLU(gate, up): fp32 in column order, or (XPRE) fp16 times 2**-8, even first."""
     act = _swiglu(gate, up, swiglu_limit, HAS_LIMIT)
     if XPRE:
         col = (offs_n % 2) * (I // 2) + offs_n // 2
@@ -332,8 +306,7 @@ def swiglu_kernel(part_ptr, act_ptr, block_expert_ptr, block_start_ptr, block_co
                   I, stride_part, stride_prow, stride_act, swiglu_limit,
                   HAS_LIMIT: tl.constexpr, XPRE: tl.constexpr, SPLIT: tl.constexpr,
                   BM: tl.constexpr, BI: tl.constexpr):
-    """Split-K gate/up: sum a block's SPLIT partials [SPLIT, P, 2I] and write act (only the
-    rows of a block exist: pairs with expert -1 are in none)."""
+    """Split-K gate/up: sum a block's SPLIT partials [SPLIT, P, 2I] and write act."""
     b = tl.program_id(0)
     if tl.load(block_expert_ptr + b) < 0:
         return
@@ -361,8 +334,7 @@ def down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
                 BN: tl.constexpr, BKH: tl.constexpr, GS: tl.constexpr, FASTDEC: tl.constexpr,
                 XPRE: tl.constexpr, ROWMAX: tl.constexpr, CHAIN: tl.constexpr,
                 RKC: tl.constexpr):
-    """Block b's activations times BN down rows over K slice sp, times each pair's routing
-    weight -> ypair[sp, pair] (fp32; :func:`combine_kernel` sums)."""
+    """Block b's act times BN down rows over K slice sp and routing weights -> ypair[sp]."""
     b = tl.program_id(0)
     pn = tl.program_id(1)
     sp = tl.program_id(2)
@@ -414,8 +386,7 @@ def down_kernel(act_ptr, w_ptr, s_ptr, gscale_ptr, topk_w_ptr, sorted_pair_ptr,
 @triton.jit
 def combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, stride_out,
                    TOPK: tl.constexpr, SPLIT: tl.constexpr, BH: tl.constexpr):
-    """out[t] = the sum of token t's k rows of ypair over its K slices, in order; a pair
-    whose expert id is outside [0, E) adds nothing."""
+    """out[t] = token t's k rows of ypair over its K slices, in order (ids outside [0, E): 0)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = offs < H
@@ -432,9 +403,8 @@ def combine_kernel(ypair_ptr, ids_ptr, out_ptr, H, E, stride_y, stride_ys, strid
 
 @triton.jit
 def x_split_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr):
-    """XPRE: row t of x -> fp16 ``x * 2**-8`` in row t of xk, even columns in ``[0, H/2)``,
-    odd ones in ``[H/2, H)`` (HP = H / 2): one round to nearest even, the rounding the
-    strided path applies in the dot anyway."""
+    """XPRE: row t of x -> fp16 ``x * 2**-8`` in row t of xk, even columns first (HP = H / 2):
+    the rounding the strided path applies in the dot anyway."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     m = offs < HP
@@ -448,10 +418,9 @@ def x_split_kernel(x_ptr, xk_ptr, HP, stride_x, stride_xk, BH: tl.constexpr):
 # -------------------------------------------------------------------- launcher ----------
 @dataclass(frozen=True)
 class Tiles:
-    """A launch configuration. BM: rows (pairs) a block, padded to the dot's M (>= 16);
-    BN1 / BN2: intermediate / hidden columns a gate/up / down program; BK1 / BK2: K elements
-    a step (powers of two, fitted to divide K); SPLIT1 / SPLIT2: K slices of the two GEMMs;
-    FASTDEC, XPRE, ROWMAX: see the module docstring; num_warps, num_stages: Triton's."""
+    """A launch configuration. BM: pairs a block (>= 16); BN1 / BN2: columns a gate/up / down
+    program; BK1 / BK2: K elements a step (fitted to divide K); SPLIT1 / SPLIT2: K slices;
+    FASTDEC, XPRE, ROWMAX: the module docstring's."""
     BM: int = 16
     BN1: int = 64
     BN2: int = 64
@@ -493,10 +462,7 @@ def pick_split(steps: int, want: int) -> int:
 
 
 class MoeLaunches:
-    """The launches of :func:`fused_moe` for one device, shape, format and ``tiles``, worked
-    out once: grouping, x's split copy (XPRE), gate/up, the split-K SwiGLU sum, down and the
-    combine as :class:`~dsv4lab.kernels.launch.Launch` es, and the sizes of the buffers they
-    pass each other (the stream's workspace)."""
+    """The launches of :func:`fused_moe` for one device, shape, format and tiles, with buffers."""
 
     def __init__(self, device, T, H, E, I, topk, x_dtype, ids_dtype, fmt, has_limit,
                  tiles: Tiles):
@@ -602,10 +568,8 @@ _LAUNCHES: dict = {}
 
 def fused_moe(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, *, fmt="mxfp4",
               w13_global=None, w2_global=None, swiglu_limit=None, tiles: Tiles = Tiles()):
-    """The grouped FP4 MoE (arguments as ``dsv4lab.ops.fused_moe``, already checked; NVFP4
-    globals as fp32 [E] tensors on x's device) with ``tiles``. No host synchronisation:
-    CUDA-graph capturable. The launches are planned once per device, shape, format and tiles
-    (:class:`MoeLaunches`)."""
+    """The grouped FP4 MoE (arguments as ``dsv4lab.ops.fused_moe``, checked; NVFP4 globals
+    fp32 [E]) with ``tiles``. No host sync: CUDA-graph capturable."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     topk = topk_ids.shape[1]
