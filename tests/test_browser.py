@@ -38,6 +38,7 @@ SHOTS = BUILD / "browser"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
+LAB_LOG = SHOTS / "jupyterlab.log"    # the server's log, printed when the tour fails
 SUMMARY_SELECTOR = ".widget-html.dsv4lab-anatomy-summary"   # dsv4lab.widgets.tour.SUMMARY_CLASS
 
 
@@ -86,7 +87,8 @@ def jupyterlab(tmp_path):
         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
         f"--LabApp.user_settings_dir={tmp_path / 'settings'}"]
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "PYTHONUNBUFFERED": "1"}
-    log = (tmp_path / "jupyterlab.log").open("w")
+    LAB_LOG.parent.mkdir(parents=True, exist_ok=True)
+    log = LAB_LOG.open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(work),
                             start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -95,7 +97,7 @@ def jupyterlab(tmp_path):
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"JupyterLab exited ({proc.returncode}):\n"
-                                   + (tmp_path / "jupyterlab.log").read_text()[-3000:])
+                                   + LAB_LOG.read_text()[-3000:])
             try:
                 if _get(f"{base}/api/status?token={token}")[0] == 200:
                     break
@@ -103,7 +105,7 @@ def jupyterlab(tmp_path):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("JupyterLab did not come up in 90 s:\n"
-                                   + (tmp_path / "jupyterlab.log").read_text()[-3000:])
+                                   + LAB_LOG.read_text()[-3000:])
             time.sleep(0.5)
         yield base, token, work
     finally:
@@ -135,7 +137,14 @@ def browser():
 
 
 def _kernels_idle(base: str, token: str) -> bool:
-    kernels = json.loads(_get(f"{base}/api/kernels?token={token}")[1])
+    # While a kernel starts, jupyter_server can answer /api/kernels with a 500 (the kernel's
+    # model is not there yet): that is "not idle yet", not a failure.
+    try:
+        kernels = json.loads(_get(f"{base}/api/kernels?token={token}")[1])
+    except urllib.error.HTTPError as e:
+        if e.code >= 500:
+            return False
+        raise
     return bool(kernels) and all(k["execution_state"] == "idle" for k in kernels)
 
 
@@ -157,6 +166,7 @@ def test_tour_in_jupyterlab_and_the_report(jupyterlab, browser):
         _drive_tour(page, base, token, work)
     except Exception:
         page.screenshot(path=str(SHOTS / "00_tour_failure.png"))
+        print("JupyterLab's log (tail):\n" + LAB_LOG.read_text()[-4000:], file=sys.stderr)
         raise
     finally:
         page.close()

@@ -403,6 +403,21 @@ def test_handoff_bytes_by_hand():
         PM.kv_bytes(cfg, 10, kv_format="fp4")
 
 
+def test_handoff_bytes_of_chosen_layers():
+    """``layers``: a served model that runs one layer per kind sends those layers' caches only."""
+    cfg, L = DSV4Config.flash(), 4093
+    every = PM.kv_bytes(cfg, L, page_size=64)
+    assert PM.kv_bytes(cfg, L, page_size=64, layers=list(cfg.compress_ratios[:cfg.num_layers])) == every
+    one = {r: PM.kv_bytes(cfg, L, page_size=64, layers=[r]) for r in (0, 4, 128)}
+    kinds = PM.kv_bytes(cfg, L, page_size=64, layers=[0, 4, 128])
+    assert all(kinds[p] == sum(one[r][p] for r in one) for p in (*PM.PARTS, "total"))
+    assert one[0]["compressed entries"] == 0 < one[128]["compressed entries"] < one[4]["compressed entries"]
+    assert kinds["total"] < every["total"]
+    for bad in ([2], [True], [4.0], "4"):
+        with pytest.raises(ValueError, match="layers"):
+            PM.kv_bytes(cfg, L, layers=bad)
+
+
 def test_transfer_time_and_when_splitting_pays():
     assert PM.transfer_ms(450e6, "nvlink") == pytest.approx(8e-3 + 1.0)
     assert PM.transfer_ms(64e6, "pcie") == pytest.approx(8e-3 + 1.0)

@@ -409,11 +409,20 @@ def test_real_size_layers_small_batch():
     eager = drv.row(state, drv.profile(state, reps=2, graph=False))
     assert eager["mode"] == "eager" and eager["timing"] == "eager_events"
     assert math.isclose(sum(eager[f"ms_{c}"] for c in S.COMPONENTS), eager["step_ms"], rel_tol=1e-9)
-    same = S.compare_outputs(outs["after_kv_bf16"], outs["before"])
+    # A learned router's top-6 is discontinuous: at real size an FP8-rounded input can swap an
+    # expert of a random-weight layer, moving its output (and the logits read from the last
+    # one) by far more than the rounding. So the attention terms and the hash-routed layer are
+    # held to the tolerances here; the mini-size tests above compare every output.
+    hashed = [r for r in drv.layers if drv.layer_ids[r] < cfg.n_hash_layers]
+
+    def continuous(errs):
+        return {k: v for k, v in errs.items() if k in hashed or str(k).startswith("attention")}
+    same = continuous(S.compare_outputs(outs["after_kv_bf16"], outs["before"]))
+    assert hashed and len(same) == len(drv.layers) + len(hashed)
     assert max(same.values()) <= S.TOL_FP8_PROJ, same               # FP8 projections: the only change
-    fp8 = S.compare_outputs(outs["after_bf16_proj"], outs["before"])
+    fp8 = continuous(S.compare_outputs(outs["after_bf16_proj"], outs["before"]))
     assert max(fp8.values()) <= S.TOL_FP8_KV, fp8                  # FP8 KV: the only change
-    proj = S.compare_outputs(outs["after"], outs["after_bf16_proj"])
+    proj = continuous(S.compare_outputs(outs["after"], outs["after_bf16_proj"]))
     assert max(proj.values()) <= S.TOL_FP8_PROJ, proj
     assert rows["after"]["projections"] == "fp8" and rows["after"]["dense_weight_bytes"] < \
         0.6 * rows["after_bf16_proj"]["dense_weight_bytes"]

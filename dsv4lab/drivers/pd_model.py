@@ -87,18 +87,23 @@ def _state_per_token(cfg: DSV4Config, ratio: int, float_bytes: int) -> int:
 
 
 def kv_bytes(cfg: DSV4Config, context: int, *, kv_format: str = "fp8", page_size: int | None = None,
-             float_bytes: int = STATE_BYTES) -> dict:
+             float_bytes: int = STATE_BYTES, layers=None) -> dict:
     """Bytes of one request's hand-off after a prompt of ``context`` tokens (assumption 1):
     ``{part: bytes}`` for :data:`PARTS` and ``"total"``. ``page_size`` None: what decoding reads;
     an int: what whole pages of that size hold (what the workbook sends). ``float_bytes``: the
     model's floats (2: bf16; 4: an fp32 model's cache). An overlapping compressor
     (:func:`overlaps`) keeps twice as wide a state, and its next entry also reads the first
-    half of the previous block's."""
+    half of the previous block's. ``layers``: the compress ratios of the layers whose caches
+    are sent, one per layer (default: every main layer of ``cfg``; a served model that runs
+    one layer per kind sends ``model.ratios``)."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive int, got {context!r}")
+    kinds = (0, *cfg.compress_ratios)
+    if layers is not None and not all(type(r) is int and r in kinds for r in layers):
+        raise ValueError(f"layers must be compress ratios of cfg's layers, got {layers!r}")
     L, W = context, cfg.window_size
     row, key = row_bytes(cfg, kv_format, float_bytes), key_bytes(cfg, kv_format, float_bytes)
-    ratios = list(cfg.compress_ratios[:cfg.num_layers])
+    ratios = list(cfg.compress_ratios[:cfg.num_layers] if layers is None else layers)
     out = OrderedDict((p, 0) for p in PARTS)
     if page_size is None:
         for r in ratios:
