@@ -40,10 +40,9 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from dsv4lab import backends, runtime
+from dsv4lab.kernels.moe.peer_activation import clamped_swiglu
 
 __all__ = ["PEER", "PEER_SOURCE", "clamped_swiglu", "hopper_mx_weight", "interleave_gate_up",
            "opt_flags", "peer_source", "routing_tensors", "unavailable_reason"]
@@ -90,19 +89,6 @@ def unavailable_reason() -> str | None:
     except Exception as e:  # noqa: BLE001  (any import failure is the reason it cannot run)
         return f"needs OpenAI's triton_kernels; it does not import here ({type(e).__name__}: {e})"
     return None
-
-
-# ---------------------------------------------------------------- the activation ----------
-@triton.jit
-def clamped_swiglu(acc, swiglu_limit):
-    """The project's activation as triton_kernels' fused activation: ``acc`` [BM, 2n] holds
-    (gate, up) column pairs; returns silu(min(g, L)) * clamp(u, -L, L), or silu(g) * u when
-    ``swiglu_limit`` is None, [BM, n] in fp32."""
-    g, u = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
-    if swiglu_limit is not None:
-        g = tl.minimum(g, swiglu_limit)
-        u = tl.clamp(u, -swiglu_limit, swiglu_limit)
-    return g / (1.0 + tl.exp(-g)) * u
 
 
 # ---------------------------------------------------------------- weights -----------------
