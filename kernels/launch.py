@@ -15,8 +15,11 @@ dtypes or alignment differ from the first call's, on another device, with launch
 stream) (calls on one stream run in order); fresh while a CUDA graph is captured.
 
 :func:`value_check`: a slot of a per-(device, stream) ring of int32 flags and a stamp; the
-check kernel writes ``2 * stamp + bad`` with an atomic max (no launch zeroes the flag), and
-:meth:`Verdict.failed` reads it after the kernels: the call's one host sync.
+check kernel writes ``2 * stamp + bad`` with an atomic max (no launch zeroes the flag).
+:meth:`Verdict.post`, called right after the check kernel, copies the flag into pinned host
+memory and records an event; :meth:`Verdict.failed`, after the op's kernels were launched,
+waits for that event only: the host learns the verdict as soon as the check has run, while
+the op's kernels still run, instead of waiting for the whole call.
 """
 from __future__ import annotations
 
@@ -214,27 +217,50 @@ STAMP_LIMIT = 1 << 29     # 2 * stamp + 1 stays an int32; the ring restarts ther
 
 
 class _Ring:
-    __slots__ = ("flags", "views", "count")
+    __slots__ = ("flags", "views", "count", "host", "host_views", "host_words", "events", "stream")
 
     def __init__(self, device):
         self.flags = torch.zeros(RING, dtype=torch.int32, device=device)
         self.views = self.flags.unbind(0)
         self.count = 0
+        self.host = self.host_views = self.host_words = self.events = self.stream = None
+        if device.type == "cuda":          # where the verdicts are posted (Verdict.post)
+            self.stream = torch.cuda.current_stream(device)     # the ring's stream (its key)
+            self.host = torch.zeros(RING, dtype=torch.int32, pin_memory=True)
+            self.host_views = self.host.unbind(0)
+            self.host_words = self.host.numpy()
+            self.events = [torch.cuda.Event() for _ in range(RING)]
 
 
 _RINGS: dict = {}
 
 
 class Verdict:
-    """One call's value check in flight: :meth:`failed` reads its flag (a host sync)."""
-    __slots__ = ("view", "stamp")
+    """One call's value check in flight: :meth:`post` after the check kernel, :meth:`failed`
+    after the op's kernels."""
+    __slots__ = ("ring", "slot", "stamp", "posted")
 
-    def __init__(self, view, stamp):
-        self.view, self.stamp = view, stamp
+    def __init__(self, ring, slot, stamp):
+        self.ring, self.slot, self.stamp, self.posted = ring, slot, stamp, False
+
+    def post(self) -> None:
+        """Queue the flag's copy to pinned host memory and an event behind it (on a GPU; no
+        host sync). Call it on the stream of the check, right after the check kernel."""
+        ring = self.ring
+        if ring.host is not None:
+            ring.host_views[self.slot].copy_(ring.views[self.slot], non_blocking=True)
+            ring.events[self.slot].record(ring.stream)   # a stream given: no lookup
+            self.posted = True
 
     def failed(self) -> bool:
-        """Whether the check found a bad value (or did not run: the caller's full check then)."""
-        return self.view.item() != 2 * self.stamp
+        """Whether the check found a bad value (or did not run: the caller's full check then).
+        Posted: waits for the check and the copy only; else reads the flag (a stream sync)."""
+        if self.posted:
+            self.ring.events[self.slot].synchronize()
+            got = int(self.ring.host_words[self.slot])
+        else:
+            got = self.ring.views[self.slot].item()
+        return got != 2 * self.stamp
 
 
 def value_check(device: torch.device) -> tuple[torch.Tensor, int, int, Verdict]:
@@ -248,4 +274,4 @@ def value_check(device: torch.device) -> tuple[torch.Tensor, int, int, Verdict]:
         ring.flags.zero_()
         ring.count = 1
     slot = ring.count % RING
-    return ring.flags, slot, ring.count, Verdict(ring.views[slot], ring.count)
+    return ring.flags, slot, ring.count, Verdict(ring, slot, ring.count)

@@ -321,3 +321,28 @@ def test_fast_launches_match_the_jit_launches_bit_for_bit():
             again = call()
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_posted_verdicts_read_the_flag_through_pinned_memory():
+    """A posted verdict reads its flag from the pinned copy behind the check (bad, good, and
+    a check that did not run), also while a long kernel queued after the post still runs."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = []
+    for bad in (0, 1, 0, None):
+        flags, slot, stamp, verdict = L.value_check(dev)
+        if bad is not None:
+            flags[slot:slot + 1].fill_(2 * stamp + bad)          # what a check kernel does
+        verdict.post()
+        torch.cuda._sleep(1_000_000)                             # the op's kernels, still running
+        out.append(verdict.failed())
+    assert out == [False, True, False, True]
+    assert verdict.posted
+
+
+def test_unposted_verdicts_still_read_the_flag():
+    flags, slot, stamp, verdict = L.value_check(torch.device("cpu"))
+    verdict.post()                                  # no pinned copy on the CPU: a no-op
+    flags[slot] = 2 * stamp
+    assert not verdict.posted and not verdict.failed()

@@ -151,7 +151,9 @@ def _value_check(block_table, context_lens, k_cache, L, validate):
         return block_table, None
     from dsv4lab.kernels import indexer as K
     flags, slot, stamp, verdict = value_check(dev)
-    return K.check_tables(block_table, context_lens, P, page, L, flags, slot, stamp), verdict
+    bt = K.check_tables(block_table, context_lens, P, page, L, flags, slot, stamp)
+    verdict.post()
+    return bt, verdict
 
 
 def _check_values(block_table, context_lens, P, page, L):
@@ -290,8 +292,9 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
     values: ``context_lens`` in [0, L] and the block-table entries of visible pages in [0, P).
     On a GPU (or in the interpreter) one check kernel runs before the indexer's kernels: it
     hands them a copy of the block table with every entry clamped to a page id (no read
-    outside the cache) and sets a flag, read back once they were launched (the call's one
-    host sync); a bad value raises the ValueError naming it, the result is never returned.
+    outside the cache) and sets a flag, copied to pinned host memory behind it; once the
+    indexer's kernels are launched the host waits for that copy only (the call's one wait, not
+    for the indexer's kernels); a bad value raises the ValueError naming it, the result is never returned.
     On the CPU without the interpreter the torch checks run first. Skipped while a CUDA graph
     is being captured; ``validate=False`` (callers that wrote the tables themselves: the
     engine, a captured step) does no value work, and a bad page id then reads outside the
@@ -382,6 +385,8 @@ def to_cache_slots(indices, block_table, page_size, *, validate=True):
         flags, slot, stamp, verdict = value_check(indices.device) if check else (None,) * 4
         out = K.cache_slots(indices, block_table, page_size,
                             check=(flags, slot, stamp) if check else None)
+        if check:
+            verdict.post()
         if check and verdict.failed():
             _bad_positions(indices, max_pages * page_size)
         return out

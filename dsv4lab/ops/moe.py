@@ -473,8 +473,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     per tensor, where a model first uses them (torch ops and one host sync; the verdict kept
     while the tensor's storage and version are the same). With the Triton backend the rest is
     one check kernel before the MoE's kernels: it hands them the expert ids with every bad one
-    made -1 (no kernel reads outside the weights) and sets a flag, read back after they were
-    launched (the call's one host sync, overlapping their run); a bad value raises the
+    made -1 (no kernel reads outside the weights) and sets a flag, copied to pinned host memory
+    behind it; once the MoE's kernels are launched the host waits for that copy only (the
+    call's one wait, not for the MoE's kernels); a bad value raises the
     ValueError naming it and the output is never returned. Other backends check in torch
     first (one host sync). While a CUDA graph is being captured the value checks are skipped;
     callers that made the data themselves pass ``validate=False`` (no value work at all).
@@ -525,6 +526,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
             from dsv4lab.kernels.moe import dispatch
             flags, slot, stamp, verdict = value_check(x.device)
             ids = dispatch.check_routing(x, ids, topk_weights, w13.shape[0], flags, slot, stamp)
+            verdict.post()
         else:
             check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, fmt=fmt)
     out = chosen.fn(x, w13, w13_scale, w2, w2_scale, ids, topk_weights, fmt=fmt,

@@ -211,6 +211,7 @@ def check_indices(indices, kv, fp8: bool):
     safe = workspace(("mla indices", indices.shape), dev, lambda: torch.empty_like(indices))
     flags, slot, stamp, verdict = value_check(dev)
     launch(indices, safe, kv, flags, slot, stamp)
+    verdict.post()
     return safe, verdict
 
 
