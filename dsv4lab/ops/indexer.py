@@ -294,7 +294,8 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
     hands them a copy of the block table with every entry clamped to a page id (no read
     outside the cache) and sets a flag, copied to pinned host memory behind it; once the
     indexer's kernels are launched the host waits for that copy only (the call's one wait, not
-    for the indexer's kernels); a bad value raises the ValueError naming it, the result is never returned.
+    for the indexer's kernels); a bad value raises the ValueError naming it, the result is
+    never returned.
     On the CPU without the interpreter the torch checks run first. Skipped while a CUDA graph
     is being captured; ``validate=False`` (callers that wrote the tables themselves: the
     engine, a captured step) does no value work, and a bad page id then reads outside the
@@ -387,8 +388,8 @@ def to_cache_slots(indices, block_table, page_size, *, validate=True):
                             check=(flags, slot, stamp) if check else None)
         if check:
             verdict.post()
-        if check and verdict.failed():
-            _bad_positions(indices, max_pages * page_size)
+            if verdict.failed():
+                _bad_positions(indices, max_pages * page_size)
         return out
     idx = indices.long()
     valid = (idx >= 0) & (idx < max_pages * page_size)
