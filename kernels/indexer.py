@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from dsv4lab.kernels.device import DeviceProps, Route, choose, interpreting, props as device_props
-from dsv4lab.kernels.launch import Launch, workspace
+from dsv4lab.kernels.launch import Launch, report_verdict, workspace
 from dsv4lab.kernels.offline import Case
 
 # How the matmul runs (the DOT constexpr): the wider of q's and k's dtypes.
@@ -488,11 +488,11 @@ def indexer_topk(q, k_cache, k_scale, weights, block_table, context_lens, L, top
 # ------------------------------------------------------------- value checks, cache slots
 
 @triton.jit(do_not_specialize=["slot", "stamp"])
-def check_tables_kernel(bt_ptr, cl_ptr, safe_ptr, flag_ptr, S, MAXP, P, L, n_bound,
+def check_tables_kernel(bt_ptr, cl_ptr, safe_ptr, flag_ptr, host_ptr, S, MAXP, P, L, n_bound,
                         stride_btb, stride_clb, stride_cls, slot, stamp,
                         PAGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The block table clamped into [0, P) for the kernels; ``flags[slot]`` raised to ``2 *
-    stamp + bad``: bad for a context length outside [0, L] or a visible entry no page id."""
+    """The block table clamped into [0, P) for the kernels; the verdict (launch's
+    ``report_verdict``) bad for a context length outside [0, L] or a visible entry no page id."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -509,16 +509,15 @@ def check_tables_kernel(bt_ptr, cl_ptr, safe_ptr, flag_ptr, S, MAXP, P, L, n_bou
     vis = m & (j < tl.cdiv(n_max, PAGE))
     bad = tl.maximum(bad, tl.max((vis & ((bt < 0) | (bt >= P))).to(tl.int32), axis=0))
     tl.store(safe_ptr + b.to(tl.int64) * MAXP + j, tl.minimum(tl.maximum(bt, 0), P - 1), mask=m)
-    tl.atomic_max(flag_ptr + slot, stamp * 2 + bad)
+    report_verdict(flag_ptr, host_ptr, slot, stamp, bad)
 
 
 _CHECKS: dict = {}
 
 
-def check_tables(block_table, context_lens, P: int, page: int, L: int, flags, slot: int,
-                 stamp: int):
+def check_tables(block_table, context_lens, P: int, page: int, L: int, verdict):
     """Launch the check of ``block_table`` and ``context_lens`` -> the block table the kernels
-    should read (``flags, slot, stamp``: the call's :func:`~dsv4lab.kernels.launch.value_check`)."""
+    should read (``verdict``: the call's :func:`~dsv4lab.kernels.launch.value_check`)."""
     B, maxp = block_table.shape
     S = context_lens.shape[1]
     key = (block_table.device, B, maxp, block_table.stride(), S, context_lens.stride(), P,
@@ -535,15 +534,15 @@ def check_tables(block_table, context_lens, P: int, page: int, L: int, flags, sl
     dev = block_table.device
     safe = workspace(("indexer block table", B, maxp), dev,
                      lambda: torch.empty((B, maxp), dtype=torch.int32, device=dev))
-    launch(block_table, context_lens, safe, flags, slot, stamp)
+    launch(block_table, context_lens, safe, *verdict.args)
     return safe
 
 
 @triton.jit(do_not_specialize=["slot", "stamp"])
-def cache_slots_kernel(idx_ptr, bt_ptr, out_ptr, flag_ptr, n_row, MAXP, stride_btb, slot,
-                       stamp, PAGE: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
-    """Logical positions -> flat cache slots (outside [0, MAXP * PAGE): -1); ``CHECK``:
-    ``flags[slot]`` raised to ``2 * stamp + bad``, bad for one outside [-1, MAXP * PAGE)."""
+def cache_slots_kernel(idx_ptr, bt_ptr, out_ptr, flag_ptr, host_ptr, n_row, MAXP, stride_btb,
+                       slot, stamp, PAGE: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
+    """Logical positions -> flat cache slots (outside [0, MAXP * PAGE): -1); ``CHECK``: the
+    verdict (launch's ``report_verdict``), bad for one outside [-1, MAXP * PAGE)."""
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n_row
@@ -556,7 +555,7 @@ def cache_slots_kernel(idx_ptr, bt_ptr, out_ptr, flag_ptr, n_row, MAXP, stride_b
              mask=m)
     if CHECK:
         bad = m & ((idx < -1) | (idx >= MAXP * PAGE))
-        tl.atomic_max(flag_ptr + slot, stamp * 2 + tl.max(bad.to(tl.int32), axis=0))
+        report_verdict(flag_ptr, host_ptr, slot, stamp, tl.max(bad.to(tl.int32), axis=0))
 
 
 _SLOTS: dict = {}
@@ -564,7 +563,8 @@ _SLOTS: dict = {}
 
 def cache_slots(indices, block_table, page_size: int, check=None):
     """:func:`dsv4lab.ops.to_cache_slots` in one launch -> int32 slots. ``check``: the call's
-    ``(flags, slot, stamp)`` (:func:`~dsv4lab.kernels.launch.value_check`), or None."""
+    :func:`~dsv4lab.kernels.launch.value_check` verdict, or None (the caller reads it only
+    for a non-empty ``indices``: an empty one launches nothing)."""
     B = indices.shape[0]
     n_row = indices.numel() // max(1, B)
     maxp = block_table.shape[1]
@@ -578,9 +578,8 @@ def cache_slots(indices, block_table, page_size: int, check=None):
             BLOCK=block, CHECK=check is not None), device=indices.device, guard=(0, 1),
             num_warps=4)
     out = torch.empty(indices.shape, dtype=torch.int32, device=indices.device)
-    flags, slot, stamp = check if check is not None else (out, 0, 0)
     if out.numel():
-        launch(indices, block_table, out, flags, slot, stamp)
+        launch(indices, block_table, out, *(check.args if check is not None else (out, out, 0, 0)))
     return out
 
 

@@ -7,26 +7,29 @@ bench sparse_mla).
 
 :class:`Launch`: one launch of a plan (kernel, grid, the arguments the plan fixes, options).
 Its first call goes through the JIT and keeps the compiled kernel; later calls merge the
-per-call arguments with the fixed ones and call its launcher directly. A call whose tensors'
-dtypes or alignment differ from the first call's, on another device, with launch hooks set
-(a profiler) or under the interpreter goes through the JIT.
+per-call arguments with the fixed ones, pass tensors as their data pointers and call the
+compiled launcher's C entry directly. A call whose tensors' dtypes or alignment differ from
+the first call's, on another device, with launch hooks set (a profiler) or under the
+interpreter goes through the JIT.
 
 :func:`workspace`: buffers a plan's launches share within one call, kept per (plan, device,
 stream) (calls on one stream run in order); fresh while a CUDA graph is captured.
 
-:func:`value_check`: a slot of a per-(device, stream) ring of int32 flags and a stamp; the
-check kernel writes ``2 * stamp + bad`` with an atomic max (no launch zeroes the flag).
-:meth:`Verdict.post`, called right after the check kernel, copies the flag into pinned host
-memory and records an event; :meth:`Verdict.failed`, after the op's kernels were launched,
-waits for that event only: the host learns the verdict as soon as the check has run, while
-the op's kernels still run, instead of waiting for the whole call.
+:func:`value_check`: a slot of a per-(device, stream) ring and a stamp, for one call's check
+kernel. Each program of the check raises the slot's device flag to ``2 * stamp + bad`` (an
+atomic max: no launch zeroes it) and takes a ticket; the last program writes the flag into
+the slot's word of pinned host memory (:func:`report_verdict`). :meth:`Verdict.failed`,
+after the op's kernels were launched, spins on that word: the host learns the verdict as
+soon as the check has run, with no copy, event or stream sync queued behind it.
 """
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 import triton
+import triton.language as tl
 
 from dsv4lab.kernels.device import interpreting
 
@@ -81,8 +84,8 @@ class Launch:
     alignment a fast launch checks (default: all; a launcher leaves out its own buffers)."""
 
     __slots__ = ("kernel", "grid", "options", "device", "jit_context", "names", "fixed_values",
-                 "merge", "compiled", "tensors", "dev_index", "n_call", "on_gpu", "n_positional",
-                 "guard")
+                 "parts", "merge", "compiled", "fast", "direct", "prefix", "dev_index", "n_call",
+                 "on_gpu", "n_positional", "guard")
 
     def __init__(self, kernel, grid, fixed: dict, *, device: torch.device, jit_context=None,
                  guard: tuple | None = None, **options):
@@ -111,14 +114,14 @@ class Launch:
                 parts.append(f"a[{n_call}]")
                 n_call += 1
         self.fixed_values = tuple(values)
+        self.parts = parts
         self.n_call = n_call
         # positional up to the first constexpr, then by name, as a hand-written call does
         consts = [i for i, (_, const, _) in enumerate(params) if const]
         self.n_positional = consts[0] if consts else len(params)
         # the kernel's full argument tuple from (per-call args, fixed values), in its order
         self.merge = eval("lambda a, f: (" + ", ".join(parts) + ",)")   # noqa: S307
-        self.compiled = None
-        self.tensors = ()
+        self.compiled = self.fast = self.direct = self.prefix = None
         self.guard = guard
         self.on_gpu = device.type == "cuda"
         self.dev_index = None
@@ -126,17 +129,17 @@ class Launch:
     def __call__(self, *args):
         ck = self.compiled
         if ck is not None:
-            for i, dtype in self.tensors:
-                t = args[i]
-                if t.dtype is not dtype or t.data_ptr() & 15:
-                    break
-            else:
-                if torch._C._cuda_getDevice() == self.dev_index and not _hooks_active():
-                    g0, g1, g2 = self.grid
-                    ck.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.dev_index),
-                           ck.function, ck.packed_metadata, None, None, None,
-                           *self.merge(args, self.fixed_values))
-                    return
+            full = self.fast(args, self.fixed_values)
+            if (full is not None and torch._C._cuda_getDevice() == self.dev_index
+                    and not _hooks_active()):
+                g0, g1, g2 = self.grid
+                stream = torch._C._cuda_getCurrentRawStream(self.dev_index)
+                if self.direct is not None:
+                    self.direct(g0, g1, g2, stream, ck.function, *self.prefix, *full)
+                else:
+                    ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, None, None, None,
+                           *full)
+                return
         self.jit(*args)
 
     def jit(self, *args):
@@ -154,13 +157,41 @@ class Launch:
             ck = runner(*full[:k], **named)
         if (self.compiled is None and self.on_gpu and not interpreting()
                 and hasattr(ck, "packed_metadata")):
-            tensors = tuple((i, a.dtype) for i, a in enumerate(args) if isinstance(a, _TENSOR))
+            tensors = [(i, a.dtype) for i, a in enumerate(args) if isinstance(a, _TENSOR)]
             if all(args[i].data_ptr() % 16 == 0 for i, _ in tensors):
-                self.tensors = tensors if self.guard is None else \
-                    tuple((i, d) for i, d in tensors if i in self.guard)
+                self.fast = _fast_arguments(self.parts, tensors, self.guard)
                 self.dev_index = torch.cuda.current_device()
-                ck.run   # noqa: B018  (loads the module: later launches find it ready)
+                self.direct, self.prefix = _direct_launcher(ck)
                 self.compiled = ck
+
+
+def _fast_arguments(parts, tensors, guard):
+    """``fast(a, f)``: the kernel's full argument tuple from the per-call arguments ``a`` and
+    the fixed values ``f``, each tensor as its data pointer (the launcher then skips its
+    per-pointer driver query; the ops checked devices on the host), or None when a guarded
+    tensor's dtype or 16-byte alignment differs from the first call's (it then takes the JIT)."""
+    env, lines = {}, ["def fast(a, f):"]
+    for i, dtype in tensors:
+        lines.append(f"    p{i} = a[{i}].data_ptr()")
+        if guard is None or i in guard:
+            env[f"D{i}"] = dtype
+            lines.append(f"    if p{i} & 15 or a[{i}].dtype is not D{i}:\n        return None")
+    as_pointers = {f"a[{i}]": f"p{i}" for i, _ in tensors}
+    lines.append("    return (" + ", ".join(as_pointers.get(p, p) for p in parts) + ",)")
+    exec("\n".join(lines), env)                 # noqa: S102  (source generated here)
+    return env["fast"]
+
+
+def _direct_launcher(ck):
+    """(the launcher's C entry, its leading arguments) where Triton's CUDA launcher has one and
+    the kernel needs no scratch buffers, else (None, None): ``ck.run`` then."""
+    launcher = ck.run
+    entry = getattr(launcher, "launch", None)
+    if (entry is None or getattr(launcher, "global_scratch_size", 1)
+            or getattr(launcher, "profile_scratch_size", 0) or not hasattr(launcher, "launch_pdl")):
+        return None, None
+    return entry, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                   ck.packed_metadata, None, None, None)
 
 
 def planned(table: dict, key, device: torch.device, make):
@@ -214,57 +245,69 @@ def _nbytes(obj) -> int:
 
 RING = 64                 # flag slots per (device, stream): a slot is reused 64 calls later
 STAMP_LIMIT = 1 << 29     # 2 * stamp + 1 stays an int32; the ring restarts there
+SPIN_S = 0.005            # how long a verdict spins on its host word before a stream sync
+_RING = tl.constexpr(RING)
+
+
+@triton.jit
+def report_verdict(flag_ptr, host_ptr, slot, stamp, bad):
+    """A check kernel's last step (``bad``: this program's 0 or 1): raise ``flags[slot]`` to
+    ``2 * stamp + bad`` and take a ticket; the program with the last ticket writes the flag to
+    ``host[slot]`` (pinned host memory on a GPU) and resets the ticket for the slot's next use."""
+    tl.atomic_max(flag_ptr + slot, stamp * 2 + bad, sem="relaxed")
+    n = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    ticket = tl.atomic_add(flag_ptr + _RING + slot, 1, sem="acq_rel")
+    if ticket == n - 1:                       # every other program's flag is visible here
+        tl.store(host_ptr + slot, tl.atomic_max(flag_ptr + slot, 0, sem="acquire"))
+        tl.atomic_xchg(flag_ptr + _RING + slot, 0)
 
 
 class _Ring:
-    __slots__ = ("flags", "views", "count", "host", "host_views", "host_words", "events", "stream")
+    """Device words (RING flags, then RING tickets) and the host words the checks report to."""
+    __slots__ = ("flags", "host", "words", "count", "stream")
 
     def __init__(self, device):
-        self.flags = torch.zeros(RING, dtype=torch.int32, device=device)
-        self.views = self.flags.unbind(0)
+        self.flags = torch.zeros(2 * RING, dtype=torch.int32, device=device)
+        on_gpu = device.type == "cuda"
+        self.host = torch.zeros(RING, dtype=torch.int32, pin_memory=on_gpu)
+        self.words = self.host.numpy()
         self.count = 0
-        self.host = self.host_views = self.host_words = self.events = self.stream = None
-        if device.type == "cuda":          # where the verdicts are posted (Verdict.post)
-            self.stream = torch.cuda.current_stream(device)     # the ring's stream (its key)
-            self.host = torch.zeros(RING, dtype=torch.int32, pin_memory=True)
-            self.host_views = self.host.unbind(0)
-            self.host_words = self.host.numpy()
-            self.events = [torch.cuda.Event() for _ in range(RING)]
+        self.stream = torch.cuda.current_stream(device) if on_gpu else None   # the ring's key
 
 
 _RINGS: dict = {}
 
 
 class Verdict:
-    """One call's value check in flight: :meth:`post` after the check kernel, :meth:`failed`
-    after the op's kernels."""
-    __slots__ = ("ring", "slot", "stamp", "posted")
+    """One call's value check in flight: ``args`` (flags, host words, slot, stamp) go to the
+    check kernel, which ends in :func:`report_verdict`; :meth:`failed` after the op's kernels."""
+    __slots__ = ("ring", "slot", "stamp", "args")
 
     def __init__(self, ring, slot, stamp):
-        self.ring, self.slot, self.stamp, self.posted = ring, slot, stamp, False
-
-    def post(self) -> None:
-        """Queue the flag's copy to pinned host memory and an event behind it (on a GPU; no
-        host sync). Call it on the stream of the check, right after the check kernel."""
-        ring = self.ring
-        if ring.host is not None:
-            ring.host_views[self.slot].copy_(ring.views[self.slot], non_blocking=True)
-            ring.events[self.slot].record(ring.stream)   # a stream given: no lookup
-            self.posted = True
+        self.ring, self.slot, self.stamp = ring, slot, stamp
+        self.args = (ring.flags, ring.host, slot, stamp)
 
     def failed(self) -> bool:
-        """Whether the check found a bad value (or did not run: the caller's full check then).
-        Posted: waits for the check and the copy only; else reads the flag (a stream sync)."""
-        if self.posted:
-            self.ring.events[self.slot].synchronize()
-            got = int(self.ring.host_words[self.slot])
-        else:
-            got = self.ring.views[self.slot].item()
-        return got != 2 * self.stamp
+        """Whether the check found a bad value, or did not report (the caller's full check then
+        decides). Spins on the host word for up to :data:`SPIN_S`, then syncs the stream."""
+        want = 2 * self.stamp
+        words, slot = self.ring.words, self.slot
+        got = int(words[slot])
+        if got < want:
+            deadline = time.perf_counter() + SPIN_S
+            while got < want and time.perf_counter() < deadline:
+                for _ in range(256):
+                    got = int(words[slot])
+                    if got >= want:
+                        break
+            if got < want and self.ring.stream is not None:
+                self.ring.stream.synchronize()
+                got = int(words[slot])
+        return got != want
 
 
-def value_check(device: torch.device) -> tuple[torch.Tensor, int, int, Verdict]:
-    """``(flags, slot, stamp, verdict)`` for one call's check on ``device``'s current stream."""
+def value_check(device: torch.device) -> Verdict:
+    """The :class:`Verdict` of one call's check on ``device``'s current stream."""
     key = (device.type, device.index, stream_of(device))
     ring = _RINGS.get(key)
     if ring is None:
@@ -272,6 +315,7 @@ def value_check(device: torch.device) -> tuple[torch.Tensor, int, int, Verdict]:
     ring.count += 1
     if ring.count >= STAMP_LIMIT:
         ring.flags.zero_()
+        ring.host.zero_()
         ring.count = 1
     slot = ring.count % RING
-    return ring.flags, slot, ring.count, Verdict(ring, slot, ring.count)
+    return Verdict(ring, slot, ring.count)

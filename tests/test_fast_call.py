@@ -91,8 +91,9 @@ def test_first_call_goes_through_the_jit_then_the_compiled_launcher(gpu_like):
     assert len(k.jit_calls) == 1
     (run,) = k.compiled.runs
     # grid, stream, function, metadata, no launch metadata or hooks, every parameter in order
+    # tensors as their data pointers (no per-pointer driver query in the launcher)
     assert run == (3, 1, 1, 1234, "function", "metadata", None, None, None,
-                   x, y, out, 100, 0.25, 64, False)
+                   0x1000, 0x2000, 0x3000, 100, 0.25, 64, False)
 
 
 def test_a_tensor_that_breaks_the_specialisation_takes_the_jit(gpu_like):
@@ -170,16 +171,29 @@ def test_workspace_is_kept_per_key_and_fresh_for_meta_and_large_buffers():
         L.workspace(("test ws big",), cpu, lambda: torch.empty(big))
 
 
-def test_value_flags_tell_this_call_from_earlier_ones():
+@triton.jit
+def _report_kernel(bad_ptr, flag_ptr, host_ptr, slot, stamp):
+    """A check kernel's shape: each program's verdict (one of several) into report_verdict."""
+    L.report_verdict(flag_ptr, host_ptr, slot, stamp, tl.load(bad_ptr + tl.program_id(0)))
+
+
+def test_the_last_program_of_a_check_reports_the_verdict_to_the_host_word():
+    """Good, bad in one of five programs, good again: the host word tells each call from the
+    earlier ones, and every ticket is reset for the slot's next use."""
     cpu = torch.device("cpu")
-    verdicts = []
-    for bad in (0, 1, 0):
-        flags, slot, stamp, verdict = L.value_check(cpu)
-        flags[slot] = max(int(flags[slot]), 2 * stamp + bad)     # what a check kernel does
-        verdicts.append(verdict)
-    assert [v.failed() for v in verdicts] == [False, True, False]
-    flags, slot, stamp, verdict = L.value_check(cpu)
-    assert verdict.failed()            # a check kernel that did not run is not a pass
+    got = []
+    for bad in ([0] * 5, [0, 0, 1, 0, 0], [0] * 5):
+        verdict = L.value_check(cpu)
+        _report_kernel[(5,)](torch.tensor(bad, dtype=torch.int32), *verdict.args)
+        got.append(verdict.failed())
+    assert got == [False, True, False]
+    ring = verdict.ring
+    assert int(ring.flags[L.RING:].abs().sum()) == 0
+
+
+def test_a_check_that_did_not_report_is_not_a_pass(monkeypatch):
+    monkeypatch.setattr(L, "SPIN_S", 0.001)
+    assert L.value_check(torch.device("cpu")).failed()
 
 
 # ----------------------------------------------------------------- the ops' value checks ----
@@ -288,9 +302,9 @@ def test_cache_slots_kernel_matches_the_torch_mapping():
         idx = torch.randint(-1, 16, (3, 2, 5), generator=g).to(dtype)
         want = to_cache_slots(idx, bt, 4)                         # CPU: torch
         assert torch.equal(K.cache_slots(idx, bt, 4), want)       # the kernel (interpreter)
-        flags, slot, stamp, verdict = L.value_check(idx.device)
+        verdict = L.value_check(idx.device)
         idx[2, 1, 4] = 16
-        K.cache_slots(idx, bt, 4, check=(flags, slot, stamp))
+        K.cache_slots(idx, bt, 4, check=verdict)
         assert verdict.failed()
     with pytest.raises(ValueError, match="indices must be -1 or logical positions"):
         to_cache_slots(idx, bt, 4)
@@ -325,24 +339,20 @@ def test_fast_launches_match_the_jit_launches_bit_for_bit():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_posted_verdicts_read_the_flag_through_pinned_memory():
-    """A posted verdict reads its flag from the pinned copy behind the check (bad, good, and
-    a check that did not run), also while a long kernel queued after the post still runs."""
+def test_verdicts_reach_pinned_host_memory_while_the_ops_kernels_still_run():
+    """The check kernel's last program writes the verdict over the bus: the host reads it
+    (good, bad in one of 300 programs, good) while a long kernel queued behind the check still
+    runs; a check that never ran is not a pass (after the spin, a stream sync)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    out = []
-    for bad in (0, 1, 0, None):
-        flags, slot, stamp, verdict = L.value_check(dev)
-        if bad is not None:
-            flags[slot:slot + 1].fill_(2 * stamp + bad)          # what a check kernel does
-        verdict.post()
-        torch.cuda._sleep(1_000_000)                             # the op's kernels, still running
-        out.append(verdict.failed())
-    assert out == [False, True, False, True]
-    assert verdict.posted
-
-
-def test_unposted_verdicts_still_read_the_flag():
-    flags, slot, stamp, verdict = L.value_check(torch.device("cpu"))
-    verdict.post()                                  # no pinned copy on the CPU: a no-op
-    flags[slot] = 2 * stamp
-    assert not verdict.posted and not verdict.failed()
+    got = []
+    for bad_program in (None, 217, None):
+        bad = torch.zeros(300, dtype=torch.int32, device=dev)
+        if bad_program is not None:
+            bad[bad_program] = 1
+        verdict = L.value_check(dev)
+        _report_kernel[(300,)](bad, *verdict.args)
+        torch.cuda._sleep(50_000_000)                            # the op's kernels, still running
+        got.append((verdict.failed(), torch.cuda.current_stream().query()))
+    assert got == [(False, False), (True, False), (False, False)]
+    assert verdict.ring.host.is_pinned()
+    assert L.value_check(dev).failed()

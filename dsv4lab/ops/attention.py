@@ -54,10 +54,10 @@ def sparse_mla_decode(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, 
     default): every index -1 or in [0, N), and with the FP8 cache no scale byte 255 (ue8m0
     NaN) in the rows the indices select. With a Triton backend one check kernel runs before
     the attention kernels: it hands them the indices with every bad one made -1
-    (so none reads outside the cache) and sets a flag, copied to pinned host memory behind it;
-    once the attention kernels are launched the host waits for that copy only, not for them
-    (the call's one wait); a bad value then raises the ValueError
-    naming it and the output is never returned. The torch reference backend runs the same
+    (so none reads outside the cache) and writes its verdict into pinned host memory; once the
+    attention kernels are launched the host reads that word, waiting for the check only, not
+    for them (the call's one wait); a bad value then raises the ValueError naming it and the
+    output is never returned. The torch reference backend runs the same
     checks in torch before the call. Skipped while a CUDA graph is being captured.
     ``validate=False`` (the engine, the benchmarks' timed calls: they made the indices and the
     cache themselves) does no value work at all.

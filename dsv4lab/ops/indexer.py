@@ -150,10 +150,8 @@ def _value_check(block_table, context_lens, k_cache, L, validate):
         _check_values(block_table, context_lens, P, page, L)
         return block_table, None
     from dsv4lab.kernels import indexer as K
-    flags, slot, stamp, verdict = value_check(dev)
-    bt = K.check_tables(block_table, context_lens, P, page, L, flags, slot, stamp)
-    verdict.post()
-    return bt, verdict
+    verdict = value_check(dev)
+    return K.check_tables(block_table, context_lens, P, page, L, verdict), verdict
 
 
 def _check_values(block_table, context_lens, P, page, L):
@@ -292,10 +290,10 @@ def indexer_logits(q, k_cache, k_scale, weights, block_table, context_lens, *,
     values: ``context_lens`` in [0, L] and the block-table entries of visible pages in [0, P).
     On a GPU (or in the interpreter) one check kernel runs before the indexer's kernels: it
     hands them a copy of the block table with every entry clamped to a page id (no read
-    outside the cache) and sets a flag, copied to pinned host memory behind it; once the
-    indexer's kernels are launched the host waits for that copy only (the call's one wait, not
-    for the indexer's kernels); a bad value raises the ValueError naming it, the result is
-    never returned.
+    outside the cache) and writes its verdict into pinned host memory; once the indexer's
+    kernels are launched the host reads that word, waiting for the check only (the call's one
+    wait, not for the indexer's kernels); a bad value raises the ValueError naming it, the
+    result is never returned.
     On the CPU without the interpreter the torch checks run first. Skipped while a CUDA graph
     is being captured; ``validate=False`` (callers that wrote the tables themselves: the
     engine, a captured step) does no value work, and a bad page id then reads outside the
@@ -383,13 +381,11 @@ def to_cache_slots(indices, block_table, page_size, *, validate=True):
             indices = indices.contiguous()
         if block_table.stride(1) != 1:
             block_table = block_table.contiguous()
-        flags, slot, stamp, verdict = value_check(indices.device) if check else (None,) * 4
-        out = K.cache_slots(indices, block_table, page_size,
-                            check=(flags, slot, stamp) if check else None)
-        if check:
-            verdict.post()
-            if verdict.failed():
-                _bad_positions(indices, max_pages * page_size)
+        check = check and indices.numel() > 0
+        verdict = value_check(indices.device) if check else None
+        out = K.cache_slots(indices, block_table, page_size, check=verdict)
+        if check and verdict.failed():
+            _bad_positions(indices, max_pages * page_size)
         return out
     idx = indices.long()
     valid = (idx >= 0) & (idx < max_pages * page_size)

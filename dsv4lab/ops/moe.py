@@ -473,10 +473,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
     per tensor, where a model first uses them (torch ops and one host sync; the verdict kept
     while the tensor's storage and version are the same). With the Triton backend the rest is
     one check kernel before the MoE's kernels: it hands them the expert ids with every bad one
-    made -1 (no kernel reads outside the weights) and sets a flag, copied to pinned host memory
-    behind it; once the MoE's kernels are launched the host waits for that copy only (the
-    call's one wait, not for the MoE's kernels); a bad value raises the
-    ValueError naming it and the output is never returned. Other backends check in torch
+    made -1 (no kernel reads outside the weights) and writes its verdict into pinned host
+    memory; once the MoE's kernels are launched the host reads that word, waiting for the check
+    only (the call's one wait, not for the MoE's kernels); a bad value raises the ValueError
+    naming it and the output is never returned. Other backends check in torch
     first (one host sync). While a CUDA graph is being captured the value checks are skipped;
     callers that made the data themselves pass ``validate=False`` (no value work at all).
     Under ``torch.compile``: the custom op ``torch.ops.dsv4lab.fused_moe``. Explained in
@@ -524,9 +524,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: t
             x, ids, topk_weights = (t if t.is_contiguous() else t.contiguous()
                                     for t in (x, topk_ids, topk_weights))
             from dsv4lab.kernels.moe import dispatch
-            flags, slot, stamp, verdict = value_check(x.device)
-            ids = dispatch.check_routing(x, ids, topk_weights, w13.shape[0], flags, slot, stamp)
-            verdict.post()
+            verdict = value_check(x.device)
+            ids = dispatch.check_routing(x, ids, topk_weights, w13.shape[0], verdict)
         else:
             check_fused_moe_values(x, w13_scale, w2_scale, topk_ids, topk_weights, fmt=fmt)
     out = chosen.fn(x, w13, w13_scale, w2, w2_scale, ids, topk_weights, fmt=fmt,

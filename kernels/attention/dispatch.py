@@ -20,7 +20,7 @@ import triton.language as tl
 from dsv4lab.kernels.attention.mma import Config, mma_launches, plan_splits, split_rows
 from dsv4lab.kernels.device import (DeviceProps, Route, choose, gluon_unsupported, interpreting,
                                     props)
-from dsv4lab.kernels.launch import Launch, value_check, workspace
+from dsv4lab.kernels.launch import Launch, report_verdict, value_check, workspace
 
 OP = "sparse_mla_decode"
 SM90 = frozenset({(9, 0)})
@@ -171,13 +171,13 @@ def launches(device, B, S_q, H, D, d_v, topk, q_dtype, fp8, aligned, word_aligne
                         word_aligned=word_aligned, fp8_hw=fp8_hw)
 
 
-# ---- the value check: one launch before the kernels, read back after them ------------------
+# ---- the value check: one launch before the kernels, its verdict read after them ------------------
 
 @triton.jit(do_not_specialize=["slot", "stamp"])
-def check_indices_kernel(idx_ptr, safe_ptr, kv_ptr, flag_ptr, n, N, slot, stamp,
+def check_indices_kernel(idx_ptr, safe_ptr, kv_ptr, flag_ptr, host_ptr, n, N, slot, stamp,
                          BLOCK: tl.constexpr, FP8: tl.constexpr):
-    """``safe`` = the indices with any outside [-1, N) made -1; ``flags[slot]`` raised to
-    ``2 * stamp + bad``: bad for such an index or (FP8) a selected row with scale byte 255."""
+    """``safe`` = the indices with any outside [-1, N) made -1; the verdict (launch's
+    ``report_verdict``) bad for such an index or (FP8) a selected row with scale byte 255."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     idx = tl.load(idx_ptr + offs, mask=m, other=-1)
@@ -190,7 +190,7 @@ def check_indices_kernel(idx_ptr, safe_ptr, kv_ptr, flag_ptr, n, N, slot, stamp,
         sb = tl.load(kv_ptr + rows[:, None] * 584 + 576 + j[None, :],
                      mask=ok[:, None] & (j < 7)[None, :], other=0)
         bad = bad | (tl.max((sb == 255).to(tl.int32), axis=1) > 0)
-    tl.atomic_max(flag_ptr + slot, stamp * 2 + tl.max(bad.to(tl.int32), axis=0))
+    report_verdict(flag_ptr, host_ptr, slot, stamp, tl.max(bad.to(tl.int32), axis=0))
 
 
 _CHECKS: dict = {}
@@ -209,9 +209,8 @@ def check_indices(indices, kv, fp8: bool):
                                        dict(n=n, N=N, BLOCK=block, FP8=fp8), device=dev,
                                        num_warps=4, guard=(0, 2))
     safe = workspace(("mla indices", indices.shape), dev, lambda: torch.empty_like(indices))
-    flags, slot, stamp, verdict = value_check(dev)
-    launch(indices, safe, kv, flags, slot, stamp)
-    verdict.post()
+    verdict = value_check(dev)
+    launch(indices, safe, kv, *verdict.args)
     return safe, verdict
 
 

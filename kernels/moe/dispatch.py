@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dsv4lab.kernels.device import DeviceProps, Route, choose, gluon_unsupported, interpreting
 from dsv4lab.kernels.device import props as device_props
-from dsv4lab.kernels.launch import Launch, kernel_params, planned, workspace
+from dsv4lab.kernels.launch import Launch, kernel_params, planned, report_verdict, workspace
 from dsv4lab.kernels.moe import align, triton_moe
 from dsv4lab.kernels.moe.triton_moe import Tiles
 
@@ -150,10 +150,11 @@ def _by_route(route, args, kw, props):
 
 # ------------------------------------------------------------------------ value check ----
 @triton.jit(do_not_specialize=["slot", "stamp"])
-def check_routing_kernel(x_ptr, ids_ptr, w_ptr, safe_ptr, flag_ptr, H, E, stride_x, slot,
-                         stamp, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """A token's expert ids into the copy the kernels read (outside [-1, E): -1), and
-    ``flags[slot]`` raised to ``2 * stamp + bad`` (bad: such an id, or a NaN or Inf)."""
+def check_routing_kernel(x_ptr, ids_ptr, w_ptr, safe_ptr, flag_ptr, host_ptr, H, E, stride_x,
+                         slot, stamp, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    """A token's expert ids into the copy the kernels read (outside [-1, E): -1), and the
+    verdict (launch's ``report_verdict``; bad: such an id, or a NaN or Inf)."""
     t = tl.program_id(0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     mk = offs_k < K
@@ -169,14 +170,15 @@ def check_routing_kernel(x_ptr, ids_ptr, w_ptr, safe_ptr, flag_ptr, H, E, stride
         xv = tl.load(x_ptr + t * stride_x + h0 + offs_h, mask=mh, other=0.0).to(tl.float32)
         worst = tl.maximum(worst, tl.max(((xv != xv) | (tl.abs(xv) == float("inf"))).to(tl.int32),
                                          axis=0))
-    tl.atomic_max(flag_ptr + slot, stamp * 2 + worst)
+    report_verdict(flag_ptr, host_ptr, slot, stamp, worst)
 
 
 _CHECKS: dict = {}
 
 
-def check_routing(x, topk_ids, topk_weights, E: int, flags, slot: int, stamp: int):
-    """The value check of a ``fused_moe`` call (launch.value_check's flags) -> the ids to read."""
+def check_routing(x, topk_ids, topk_weights, E: int, verdict):
+    """The value check of a ``fused_moe`` call (``verdict``: launch.value_check's) -> the ids
+    to read."""
     T, H = x.shape
     K = topk_ids.shape[1]
     dev = x.device
@@ -187,7 +189,7 @@ def check_routing(x, topk_ids, topk_weights, E: int, flags, slot: int, stamp: in
         device=dev, guard=(0, 1, 2), num_warps=4))
     safe = workspace(("moe ids", topk_ids.shape, topk_ids.dtype), dev,
                      lambda: torch.empty_like(topk_ids))
-    launch(x, topk_ids, topk_weights, safe, flags, slot, stamp)
+    launch(x, topk_ids, topk_weights, safe, *verdict.args)
     return safe
 
 
